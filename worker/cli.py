@@ -1,0 +1,207 @@
+"""The `xpu-jobs` command: worker launcher, API server, the whole stack on one machine, health checks.
+
+Nothing here imports torch: a launcher that initialised a device runtime could no longer pin its children.
+"""
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from worker.devices import PinningError, pinned_environment, probe_backend
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="xpu-jobs", description="xpu-jobs: fine-tuning and inference jobs on Intel GPUs")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    w = sub.add_parser("worker", help="start one Celery worker node per device group, pinned to its devices")
+    w.add_argument("--devices", action="append", metavar="IDS",
+                   help="a device group, e.g. 0,2 (PCI order); repeat for more groups, one node each")
+    w.add_argument("--backend", choices=["auto", "xpu", "cuda", "cpu"], default=None,
+                   help="default: XPUJOBS_DEVICE_BACKEND, else auto (xpu, then cuda, then cpu)")
+    w.add_argument("--name", default="worker", help="node name prefix (nodes are <name>[-<ids>]@<host>)")
+    w.add_argument("--concurrency", type=int, default=None,
+                   help="concurrent inference requests per node (default XPUJOBS_WORKER_CONCURRENCY)")
+    w.add_argument("--dry-run", action="store_true", help="print each node's command and pinning, start nothing")
+
+    a = sub.add_parser("api", help="serve the REST API")
+    a.add_argument("--host", default="127.0.0.1")
+    a.add_argument("--port", type=int, default=8000)
+
+    u = sub.add_parser("up", help="the whole stack on this machine: Redis (embedded if none is configured), API, workers")
+    u.add_argument("--host", default="127.0.0.1")
+    u.add_argument("--port", type=int, default=8000)
+    u.add_argument("--redis-port", type=int, default=6390, help="port of the embedded Redis")
+    u.add_argument("--data-dir", type=Path, default=Path("data"), help="embedded Redis files, artifacts, models")
+    u.add_argument("--backend", choices=["auto", "xpu", "cuda", "cpu"], default=None)
+    u.add_argument("--devices", action="append", metavar="IDS",
+                   help="device groups; default one worker per detected device (one CPU worker when none)")
+
+    d = sub.add_parser("demo-model", help="build the small local demo model (random weights; not a real model)")
+    d.add_argument("--out", type=Path, default=None, help="default: <models_root>/demo-tiny")
+
+    sub.add_parser("devices", help="print what torch sees in this environment (backend, devices, bf16)")
+
+    h = sub.add_parser("health", help="exit 0 when the API answers or the named worker node is registered")
+    target = h.add_mutually_exclusive_group(required=True)
+    target.add_argument("--api", metavar="URL", help="e.g. http://127.0.0.1:8000")
+    target.add_argument("--worker", metavar="NAME", help="a node name prefix, e.g. worker-0")
+    return parser
+
+
+def _node_name(prefix: str, devices: str | None, several: bool) -> str:
+    base = f"{prefix}-{devices.replace(',', '_')}" if several and devices else prefix
+    return f"{base}@{socket.gethostname()}"
+
+
+def worker_commands(args: argparse.Namespace, environ: dict[str, str]) -> list[tuple[list[str], dict[str, str]]]:
+    """The (argv, environment) of each worker node; raises PinningError for a bad or conflicting mask."""
+    from contract.settings import Settings
+
+    settings = Settings()
+    preference = args.backend or environ.get("XPUJOBS_DEVICE_BACKEND") or settings.device_backend
+    backend = preference if preference != "auto" else probe_backend("auto")[0]
+    groups = args.devices or [None]
+    concurrency = args.concurrency or settings.worker_concurrency
+    commands = []
+    for devices in groups:
+        pinning = pinned_environment(backend, devices, environ)
+        node = _node_name(args.name, pinning and next(iter(pinning.values())), len(groups) > 1)
+        env = {**environ, **pinning, "XPUJOBS_DEVICE_BACKEND": backend, "XPUJOBS_NODE_NAME": node}
+        argv = [sys.executable, "-m", "celery", "-A", "worker.app", "worker", "-P", "threads",
+                "-c", str(concurrency), "-n", node, "-E", "--without-mingle", "--without-gossip",
+                "--loglevel", "INFO"]
+        commands.append((argv, env))
+    return commands
+
+
+def _supervise(procs: list[subprocess.Popen]) -> int:
+    """Wait for the children; pass SIGINT/SIGTERM on so each node shuts down softly; stop all when one dies."""
+    def forward(signum, _frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return max(abs(c) for c in codes)
+        if any(c is not None for c in codes):
+            forward(signal.SIGTERM, None)
+        time.sleep(0.5)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    try:
+        commands = worker_commands(args, dict(os.environ))
+    except PinningError as exc:
+        print(f"xpu-jobs worker: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        for argv, env in commands:
+            pinned = {k: v for k, v in env.items() if k.startswith(("ZE_", "CUDA_", "XPUJOBS_NODE", "XPUJOBS_DEVICE"))}
+            print(json.dumps({"argv": argv, "env": pinned}))
+        return 0
+    if len(commands) == 1:
+        argv, env = commands[0]
+        os.execvpe(argv[0], argv, env)
+    return _supervise([subprocess.Popen(argv, env=env) for argv, env in commands])
+
+
+def cmd_api(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    uvicorn.run("api.main:create_app", factory=True, host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from contract.settings import Settings
+    from worker.redis_server import start_redis
+
+    data_dir = args.data_dir.resolve()
+    env = dict(os.environ)
+    env.setdefault("XPUJOBS_ARTIFACT_ROOT", str(data_dir / "artifacts"))
+    env.setdefault("XPUJOBS_MODELS_ROOT", str(data_dir / "models"))
+    env.setdefault("XPUJOBS_OPEN_MODE", "true")
+    settings = Settings(**{k.removeprefix("XPUJOBS_").lower(): v for k, v in env.items()
+                           if k in ("XPUJOBS_ARTIFACT_ROOT", "XPUJOBS_MODELS_ROOT")})
+    procs = []
+    if not settings.redis_url and not env.get("XPUJOBS_REDIS_URL"):
+        procs.append(start_redis(args.redis_port, data_dir / "redis"))
+        env["XPUJOBS_REDIS_URL"] = f"redis://127.0.0.1:{args.redis_port}/0"
+        print(f"xpu-jobs up: embedded Redis on port {args.redis_port}, AOF in {data_dir / 'redis'}")
+    if "demo-tiny" in settings.base_models and not (settings.models_root / "demo-tiny" / "config.json").exists():
+        print("xpu-jobs up: building the demo model (random weights, local tokenizer: not a real model)")
+        subprocess.run([sys.executable, "-m", "worker.cli", "demo-model",
+                        "--out", str(settings.models_root / "demo-tiny")], env=env, check=True)
+    backend = args.backend or env.get("XPUJOBS_DEVICE_BACKEND") or settings.device_backend
+    groups = args.devices
+    if backend == "auto" or groups is None:
+        detected, count = probe_backend(backend)
+        backend = detected
+        if groups is None and detected != "cpu":
+            groups = [str(i) for i in range(count)]
+    worker_argv = [sys.executable, "-m", "worker.cli", "worker", "--backend", backend]
+    for group in groups or []:
+        worker_argv += ["--devices", group]
+    procs.append(subprocess.Popen(worker_argv, env=env))
+    procs.append(subprocess.Popen([sys.executable, "-m", "worker.cli", "api", "--host", args.host,
+                                   "--port", str(args.port)], env=env))
+    print(f"xpu-jobs up: API on http://{args.host}:{args.port}/v1 (open mode: no API key needed); Ctrl-C stops")
+    return _supervise(procs)
+
+
+def cmd_demo_model(args: argparse.Namespace) -> int:
+    from contract.settings import Settings
+    from worker.demo_model import build_demo_model
+
+    out = args.out or Settings().models_root / "demo-tiny"
+    print(build_demo_model(out))
+    return 0
+
+
+def cmd_devices(_args: argparse.Namespace) -> int:
+    from contract.settings import Settings
+    from worker import devices
+
+    backend = devices.detect_backend(Settings().device_backend)
+    print(json.dumps({"backend": backend, "devices": devices.describe(backend)}, indent=2))
+    return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    if args.api:
+        import httpx
+
+        try:
+            return 0 if httpx.get(args.api.rstrip("/") + "/health", timeout=5).status_code == 200 else 1
+        except httpx.HTTPError:
+            return 1
+    from contract.redis_conn import sync_client
+    from contract.registry import live_workers
+    from contract.settings import Settings
+
+    nodes = [w["node"] for w in live_workers(sync_client(Settings()))]
+    return 0 if any(n.startswith(args.worker) for n in nodes) else 1
+
+
+COMMANDS = {"worker": cmd_worker, "api": cmd_api, "up": cmd_up, "demo-model": cmd_demo_model,
+            "devices": cmd_devices, "health": cmd_health}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return COMMANDS[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
