@@ -107,7 +107,7 @@ class RecordStore:
         pipe.zrem(_index(kind, tenant), record_id)
         pipe.execute()
 
-    def list(self, kind: str, tenant: str, after: str | None = None, limit: int = 20) -> tuple[list[dict], bool]:
+    def page(self, kind: str, tenant: str, after: str | None = None, limit: int = 20) -> tuple[list[dict], bool]:
         """Newest first; `after` is the id of the last record of the previous page. Returns (page, has_more)."""
         ids = self.redis.zrevrange(_index(kind, tenant), 0, -1)
         if after:
@@ -115,5 +115,12 @@ class RecordStore:
         page = [r for r in (self.get(kind, i, tenant) for i in ids[: limit + 1]) if r is not None]
         return page[:limit], len(page) > limit
 
-    def all_ids(self, kind: str) -> list[str]:
-        return [k.split(":", 2)[2] for k in self.redis.scan_iter(match=f"rec:{kind}:*", count=500)]
+    # Records the reconciler watches: queued or running work that a dead worker could strand.
+    def track(self, kind: str, record_id: str) -> None:
+        self.redis.sadd(f"active:{kind}", record_id)
+
+    def untrack(self, kind: str, record_id: str) -> None:
+        self.redis.srem(f"active:{kind}", record_id)
+
+    def tracked(self, kind: str) -> set[str]:
+        return self.redis.smembers(f"active:{kind}")

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from contract.queues import backend_queue, node_queue
 from worker.devices import PinningError, pinned_environment, probe_backend
 
 
@@ -74,9 +75,10 @@ def worker_commands(args: argparse.Namespace, environ: dict[str, str]) -> list[t
         pinning = pinned_environment(backend, devices, environ)
         node = _node_name(args.name, pinning and next(iter(pinning.values())), len(groups) > 1)
         env = {**environ, **pinning, "XPUJOBS_DEVICE_BACKEND": backend, "XPUJOBS_NODE_NAME": node}
+        queues = f"{backend_queue(backend)},{node_queue(node)}"
         argv = [sys.executable, "-m", "celery", "-A", "worker.app", "worker", "-P", "threads",
-                "-c", str(concurrency), "-n", node, "-E", "--without-mingle", "--without-gossip",
-                "--loglevel", "INFO"]
+                "-c", str(concurrency), "-n", node, "-Q", queues, "-E", "--without-mingle",
+                "--without-gossip", "--loglevel", "INFO"]
         commands.append((argv, env))
     return commands
 

@@ -1,0 +1,47 @@
+"""OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}} with the right status code."""
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+          422: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error", 504: "server_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def not_found(kind: str, object_id: str, param: str | None = None) -> APIError:
+    return APIError(404, f"No {kind} found with id '{object_id}'.", param=param, code="not_found")
+
+
+def invalid(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def _body(status: int, message: str, param: str | None, code: str | None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return JSONResponse(_body(exc.status, exc.message, exc.param, exc.code), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "header")]
+        param = ".".join(loc) or None
+        message = f"Invalid value for '{param}': {first.get('msg')}" if param else str(first.get("msg"))
+        return JSONResponse(_body(400, message, param, "invalid_value"), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        return JSONResponse(_body(exc.status_code, str(exc.detail), None, None), status_code=exc.status_code)

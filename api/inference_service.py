@@ -1,0 +1,63 @@
+"""Single inference requests (responses, chat completions): record, route, enqueue, and wait when synchronous."""
+
+import asyncio
+
+import redis.asyncio as aioredis
+from celery import Celery
+
+from api.catalog import resolve
+from api.errors import APIError
+from contract import events
+from contract.queues import TASK_INFERENCE
+from contract.records import RecordStore, new_id, now
+from contract.registry import live_workers
+from contract.routing import NoCapableWorker, choose_queue, inference_requirement
+from contract.settings import Settings
+
+TERMINAL = {"completed", "failed", "cancelled", "incomplete"}
+
+
+def text_of(content: str | list[dict]) -> str:
+    """Message content as plain text; OpenAI's content parts carry text under 'text'."""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+
+
+def submit(kind: str, tenant: str, request: dict, *, settings: Settings, store: RecordStore, celery: Celery,
+           extra: dict | None = None) -> dict:
+    """Create a queued record of an inference request and publish it. Nothing is created on a 4xx."""
+    base, ref = resolve(request["model"], tenant, settings, store)
+    try:
+        queue = choose_queue(live_workers(store.redis), inference_requirement(settings.models_root, base))
+    except NoCapableWorker as exc:
+        raise APIError(400, str(exc), param="model", code="no_capable_worker") from None
+    record = {
+        "id": new_id(kind), "tenant": tenant, "status": "queued", "created_at": now(), "model": request["model"],
+        "base_model": base, "adapter_job": ref.job_id if ref else None,
+        "adapter_step": ref.checkpoint_step if ref else None, "request": request, "queue": queue,
+        **(extra or {}),
+    }
+    store.create(kind, record)
+    store.track(kind, record["id"])
+    celery.send_task(TASK_INFERENCE, args=[kind, record["id"]], queue=queue, task_id=record["id"])
+    return record
+
+
+async def wait_for(record_id: str, kind: str, *, store: RecordStore, client: aioredis.Redis,
+                   timeout: float) -> dict:
+    """Block (without holding a thread) until the worker says the request finished, then read it."""
+    got = await client.blpop([events.done_key(record_id)], timeout=timeout)
+    record = await asyncio.to_thread(store.get, kind, record_id)
+    if got is None and record["status"] not in TERMINAL:
+        events.request_cancel(store.redis, record_id)
+        store.transition(kind, record_id, ["queued"], {"status": "cancelled"})
+        raise APIError(504, f"The request did not finish within {timeout:.0f} s and was cancelled.",
+                       code="timeout")
+    return record
+
+
+def usage(record: dict) -> dict:
+    result = record.get("result") or {}
+    prompt, completion = result.get("prompt_tokens", 0), result.get("completion_tokens", 0)
+    return {"prompt": prompt, "completion": completion, "total": prompt + completion}

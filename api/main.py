@@ -1,0 +1,43 @@
+"""The FastAPI application. It never imports torch or any model library."""
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from api import errors
+from api.routes import chat, files, fine_tuning, models, responses, workers
+from contract.queues import make_celery
+from contract.records import RecordStore
+from contract.redis_conn import async_client, sync_client
+from contract.settings import Settings
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    if not settings.redis_url:
+        raise RuntimeError("XPUJOBS_REDIS_URL is not set (`xpu-jobs up` starts an embedded Redis and sets it)")
+    if not settings.api_keys and not settings.open_mode:
+        raise RuntimeError("No API keys configured: set XPUJOBS_API_KEYS='{\"<key>\": \"<tenant>\"}', "
+                           "or XPUJOBS_OPEN_MODE=true for local use without keys")
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        settings.ensure_dirs()
+        app.state.settings = settings
+        app.state.store = RecordStore(sync_client(settings))
+        app.state.aioredis = async_client(settings)
+        app.state.celery = make_celery(settings)
+        yield
+        await app.state.aioredis.aclose()
+
+    app = FastAPI(title="xpu-jobs", version="0.1.0", lifespan=lifespan)
+    errors.install(app)
+    for module in (files, fine_tuning, responses, chat, models, workers):
+        app.include_router(module.router)
+
+    @app.get("/health", include_in_schema=False)
+    def health():
+        app.state.store.redis.ping()
+        return {"status": "ok"}
+
+    return app

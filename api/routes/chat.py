@@ -1,0 +1,43 @@
+"""POST /v1/chat/completions: queued to a worker and awaited."""
+
+
+from fastapi import APIRouter, Request
+
+from api.deps import CeleryDep, SettingsDep, StoreDep, TenantDep
+from api.errors import APIError
+from api.inference_service import submit, text_of, usage, wait_for
+from api.protocol.inference import ChatCompletionCreate
+
+router = APIRouter(prefix="/v1/chat", tags=["chat"])
+
+
+def to_openai(record: dict) -> dict:
+    result = record["result"]
+    tokens = usage(record)
+    return {
+        "id": record["id"], "object": "chat.completion", "created": record["created_at"], "model": record["model"],
+        "system_fingerprint": None,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": result["text"], "refusal": None},
+                     "finish_reason": result["finish_reason"], "logprobs": None}],
+        "usage": {"prompt_tokens": tokens["prompt"], "completion_tokens": tokens["completion"],
+                  "total_tokens": tokens["total"]},
+    }
+
+
+@router.post("/completions")
+async def create_chat_completion(body: ChatCompletionCreate, request: Request, tenant: TenantDep,
+                                 settings: SettingsDep, store: StoreDep, celery: CeleryDep):
+    stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    job = {"model": body.model,
+           "messages": [{"role": "system" if m.role == "developer" else m.role, "content": text_of(m.content)}
+                        for m in body.messages],
+           "max_tokens": body.max_completion_tokens or body.max_tokens or 256, "temperature": body.temperature,
+           "top_p": body.top_p, "seed": body.seed, "stop": stop, "attn_implementation": body.attn_implementation}
+    record = submit("chat", tenant, job, settings=settings, store=store, celery=celery)
+    record = await wait_for(record["id"], "chat", store=store, client=request.app.state.aioredis,
+                            timeout=settings.request_timeout_seconds)
+    if record["status"] != "completed":
+        error = record.get("error") or {"message": f"The request ended {record['status']}.", "code": None}
+        raise APIError(400 if error.get("code") in ("invalid_prompt", "unsupported_attention") else 500,
+                       error["message"], code=error.get("code"))
+    return to_openai(record)

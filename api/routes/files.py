@@ -1,0 +1,94 @@
+"""Files: upload (multipart), list, retrieve, content, delete."""
+
+import os
+from typing import Annotated
+
+from fastapi import APIRouter, Form, Query, UploadFile
+from fastapi.responses import FileResponse
+
+from api.deps import SettingsDep, StoreDep, TenantDep
+from api.errors import APIError, invalid, not_found
+from contract.layout import file_path, safe_name
+from contract.records import RecordStore, new_id, now
+from contract.training_data import parse_jsonl
+
+router = APIRouter(prefix="/v1/files", tags=["files"])
+
+UPLOAD_PURPOSES = {"fine-tune", "batch"}
+CHUNK = 1024 * 1024
+
+
+def to_openai(record: dict) -> dict:
+    return {"id": record["id"], "object": "file", "bytes": record["bytes"], "created_at": record["created_at"],
+            "filename": record["filename"], "purpose": record["purpose"], "expires_at": None,
+            "status": "processed", "status_details": None}
+
+
+def get_file(store: RecordStore, file_id: str, tenant: str, param: str | None = None) -> dict:
+    record = store.get("file", file_id, tenant)
+    if record is None:
+        raise not_found("file", file_id, param)
+    return record
+
+
+@router.post("")
+async def upload_file(file: UploadFile, purpose: Annotated[str, Form()], tenant: TenantDep,
+                      settings: SettingsDep, store: StoreDep):
+    if purpose not in UPLOAD_PURPOSES:
+        raise invalid(f"purpose must be one of {sorted(UPLOAD_PURPOSES)}, not '{purpose}'.", param="purpose")
+    file_id = new_id("file")
+    path = file_path(settings.artifact_root, tenant, file_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    size = 0
+    # Stream to a temporary name and count, so an oversize or bad upload leaves nothing behind.
+    partial = path.with_suffix(".partial")
+    try:
+        with partial.open("wb") as out:
+            while chunk := await file.read(CHUNK):
+                size += len(chunk)
+                if size > settings.max_upload_bytes:
+                    raise APIError(413, f"The file is larger than the limit of {settings.max_upload_bytes} bytes.",
+                                   param="file", code="file_too_large")
+                out.write(chunk)
+        if size == 0:
+            raise invalid("The file is empty.", param="file")
+        _, errors = parse_jsonl(partial.read_bytes())
+        if errors:
+            raise invalid("The file is not valid JSONL: " + "; ".join(errors[:10]), param="file",
+                          code="invalid_file_format")
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    record = {"id": file_id, "tenant": tenant, "bytes": size, "created_at": now(),
+              "filename": safe_name(file.filename or "upload.jsonl"), "purpose": purpose}
+    store.create("file", record)
+    return to_openai(record)
+
+
+@router.get("")
+def list_files(tenant: TenantDep, store: StoreDep, purpose: str | None = None,
+               after: str | None = None, limit: Annotated[int, Query(ge=1, le=10000)] = 10000):
+    records, has_more = store.page("file", tenant, after, limit)
+    data = [to_openai(r) for r in records if purpose is None or r["purpose"] == purpose]
+    return {"object": "list", "data": data, "has_more": has_more,
+            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
+
+
+@router.get("/{file_id}")
+def retrieve_file(file_id: str, tenant: TenantDep, store: StoreDep):
+    return to_openai(get_file(store, file_id, tenant))
+
+
+@router.get("/{file_id}/content")
+def file_content(file_id: str, tenant: TenantDep, settings: SettingsDep, store: StoreDep):
+    record = get_file(store, file_id, tenant)
+    return FileResponse(file_path(settings.artifact_root, tenant, file_id), media_type="application/octet-stream",
+                        filename=record["filename"])
+
+
+@router.delete("/{file_id}")
+def delete_file(file_id: str, tenant: TenantDep, settings: SettingsDep, store: StoreDep):
+    get_file(store, file_id, tenant)
+    store.delete("file", file_id, tenant)
+    file_path(settings.artifact_root, tenant, file_id).unlink(missing_ok=True)
+    return {"id": file_id, "object": "file", "deleted": True}

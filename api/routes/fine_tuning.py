@@ -1,0 +1,168 @@
+"""Fine-tuning jobs: create (validated before queueing), list, retrieve, cancel, events, checkpoints."""
+
+import secrets
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query
+
+from api.catalog import resolve
+from api.deps import CeleryDep, RedisDep, SettingsDep, StoreDep, TenantDep
+from api.errors import APIError, invalid, not_found
+from api.protocol.fine_tuning import FineTuningJobCreate, Hyperparameters
+from api.routes.files import get_file
+from contract import events
+from contract.layout import SUFFIX_PATTERN, file_path
+from contract.queues import TASK_FINE_TUNE
+from contract.records import new_id, now
+from contract.registry import live_workers
+from contract.routing import NoCapableWorker, choose_queue, training_requirement
+from contract.training_data import validate_training_bytes
+
+router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
+
+TERMINAL = {"succeeded", "failed", "cancelled"}
+PUBLIC_FIELDS = ("id", "created_at", "finished_at", "estimated_finish", "model", "fine_tuned_model",
+                 "hyperparameters", "method", "seed", "metadata", "training_file", "validation_file",
+                 "result_files", "trained_tokens", "status", "error", "suffix", "lora", "quantization",
+                 "bf16", "attn_implementation", "max_steps", "checkpoint_steps", "attempts")
+
+
+def to_openai(record: dict) -> dict:
+    job = {k: record.get(k) for k in PUBLIC_FIELDS}
+    job.update(object="fine_tuning.job", organization_id=record["tenant"], integrations=[],
+               user_provided_suffix=record.get("suffix"))
+    return job
+
+
+def get_job(store, job_id: str, tenant: str) -> dict:
+    job = store.get("ftjob", job_id, tenant)
+    if job is None:
+        raise not_found("fine-tuning job", job_id)
+    return job
+
+
+def _resolved_hyperparameters(body: FineTuningJobCreate, settings) -> dict:
+    given = body.hyperparameters or Hyperparameters()
+    if body.method and body.method.supervised and body.method.supervised.hyperparameters:
+        given = body.method.supervised.hyperparameters
+    n_epochs = settings.default_n_epochs if given.n_epochs == "auto" else given.n_epochs
+    batch_size = settings.default_batch_size if given.batch_size == "auto" else given.batch_size
+    multiplier = 1.0 if given.learning_rate_multiplier == "auto" else given.learning_rate_multiplier
+    if not 1 <= n_epochs <= 50:
+        raise invalid("n_epochs must be between 1 and 50.", param="hyperparameters.n_epochs")
+    if not 1 <= batch_size <= 256:
+        raise invalid("batch_size must be between 1 and 256.", param="hyperparameters.batch_size")
+    if not 0 < multiplier <= 100:
+        raise invalid("learning_rate_multiplier must be above 0 and at most 100.",
+                      param="hyperparameters.learning_rate_multiplier")
+    return {"n_epochs": n_epochs, "batch_size": batch_size, "learning_rate_multiplier": multiplier,
+            "learning_rate": settings.base_learning_rate * multiplier}
+
+
+def _check_training_file(store, settings, tenant: str, file_id: str, param: str) -> list[str]:
+    record = get_file(store, file_id, tenant, param)
+    if record["purpose"] != "fine-tune":
+        raise invalid(f"File '{file_id}' has purpose '{record['purpose']}', not 'fine-tune'.", param=param)
+    count, errors = validate_training_bytes(file_path(settings.artifact_root, tenant, file_id).read_bytes())
+    if not errors and count == 0:
+        errors = ["the file holds no usable examples"]
+    return [f"{param} {file_id}: {e}" for e in errors]
+
+
+@router.post("")
+def create_job(body: FineTuningJobCreate, tenant: TenantDep, settings: SettingsDep, store: StoreDep,
+               celery: CeleryDep, redis: RedisDep,
+               idempotency_key: Annotated[str | None, Header(max_length=256)] = None):
+    base, ref = resolve(body.model, tenant, settings, store)
+    if ref is not None:
+        raise invalid("Fine-tuning a fine-tuned model is not supported; name its base model.", param="model")
+    if body.suffix is not None and not SUFFIX_PATTERN.match(body.suffix):
+        raise invalid("suffix may hold only letters, digits, '-' and '_' (at most 64).", param="suffix")
+    hyperparameters = _resolved_hyperparameters(body, settings)
+    # Files are checked for existence before anything is created; their contents are validated below.
+    get_file(store, body.training_file, tenant, "training_file")
+    if body.validation_file:
+        get_file(store, body.validation_file, tenant, "validation_file")
+    try:
+        queue = choose_queue(live_workers(redis),
+                             training_requirement(settings.models_root, base, body.quantization, bool(body.bf16)))
+    except NoCapableWorker as exc:
+        raise APIError(400, str(exc), param="model", code="no_capable_worker") from None
+
+    job_id = new_id("ftjob")
+    record = {
+        "id": job_id, "tenant": tenant, "status": "validating_files", "created_at": now(), "model": base,
+        "training_file": body.training_file, "validation_file": body.validation_file, "suffix": body.suffix,
+        "seed": body.seed if body.seed is not None else secrets.randbelow(2**31),
+        "metadata": body.metadata, "hyperparameters": hyperparameters,
+        "method": {"type": "supervised", "supervised": {"hyperparameters": hyperparameters}},
+        "lora": body.lora.model_dump(), "quantization": body.quantization, "bf16": body.bf16,
+        "attn_implementation": body.attn_implementation, "max_steps": body.max_steps,
+        "checkpoint_steps": body.checkpoint_steps or settings.checkpoint_steps,
+        "fine_tuned_model": None, "finished_at": None, "estimated_finish": None, "trained_tokens": None,
+        "result_files": [], "error": None, "queue": queue, "attempts": 0, "checkpoints": [],
+    }
+    record, created = store.create("ftjob", record, idempotency_key)
+    if not created:
+        return to_openai(record)
+    events.emit(redis, job_id, f"Validating training file: {body.training_file}")
+    errors = _check_training_file(store, settings, tenant, body.training_file, "training_file")
+    if body.validation_file:
+        errors += _check_training_file(store, settings, tenant, body.validation_file, "validation_file")
+    if errors:
+        message = "The training data is invalid: " + "; ".join(errors)
+        store.update("ftjob", job_id, {"status": "failed", "finished_at": now(),
+                                        "error": {"code": "invalid_training_file", "message": message,
+                                                  "param": "training_file"}})
+        events.emit(redis, job_id, message, level="error")
+        return to_openai(store.get("ftjob", job_id))
+    store.update("ftjob", job_id, {"status": "queued"})
+    store.track("ftjob", job_id)
+    events.emit(redis, job_id, "Files validated, job queued", data={"status": "queued"})
+    celery.send_task(TASK_FINE_TUNE, args=[job_id], queue=queue, task_id=f"{job_id}-1")
+    return to_openai(store.get("ftjob", job_id))
+
+
+@router.get("")
+def list_jobs(tenant: TenantDep, store: StoreDep, after: str | None = None,
+              limit: Annotated[int, Query(ge=1, le=100)] = 20):
+    records, has_more = store.page("ftjob", tenant, after, limit)
+    return {"object": "list", "data": [to_openai(r) for r in records], "has_more": has_more}
+
+
+@router.get("/{job_id}")
+def retrieve_job(job_id: str, tenant: TenantDep, store: StoreDep):
+    return to_openai(get_job(store, job_id, tenant))
+
+
+@router.post("/{job_id}/cancel")
+def cancel_job(job_id: str, tenant: TenantDep, store: StoreDep, redis: RedisDep, celery: CeleryDep):
+    job = get_job(store, job_id, tenant)
+    if job["status"] in TERMINAL:
+        raise APIError(409, f"Job {job_id} has already {job['status']}.", code="invalid_state")
+    events.request_cancel(redis, job_id)
+    if store.transition("ftjob", job_id, ["validating_files", "queued"],
+                        {"status": "cancelled", "finished_at": now()}):
+        events.emit(redis, job_id, "Job cancelled before it started", data={"status": "cancelled"})
+    return to_openai(get_job(store, job_id, tenant))
+
+
+@router.get("/{job_id}/events")
+def list_events(job_id: str, tenant: TenantDep, store: StoreDep, redis: RedisDep, after: str | None = None,
+                limit: Annotated[int, Query(ge=1, le=1000)] = 20):
+    get_job(store, job_id, tenant)
+    page, has_more = events.read_newest_first(redis, job_id, after, limit)
+    return {"object": "list", "data": [{**e, "object": "fine_tuning.job.event"} for e in page],
+            "has_more": has_more}
+
+
+@router.get("/{job_id}/checkpoints")
+def list_checkpoints(job_id: str, tenant: TenantDep, store: StoreDep, after: str | None = None,
+                     limit: Annotated[int, Query(ge=1, le=100)] = 10):
+    checkpoints = list(reversed(get_job(store, job_id, tenant).get("checkpoints", [])))
+    if after:
+        ids = [c["id"] for c in checkpoints]
+        checkpoints = checkpoints[ids.index(after) + 1:] if after in ids else []
+    page = checkpoints[:limit]
+    return {"object": "list", "data": page, "has_more": len(checkpoints) > limit,
+            "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None}

@@ -1,0 +1,79 @@
+"""POST /v1/responses (background or waited), GET and cancel."""
+
+from fastapi import APIRouter, Request
+
+from api.deps import CeleryDep, RedisDep, SettingsDep, StoreDep, TenantDep
+from api.errors import APIError, not_found
+from api.inference_service import TERMINAL, submit, text_of, usage, wait_for
+from api.protocol.inference import ResponseCreate
+from contract import events
+
+router = APIRouter(prefix="/v1/responses", tags=["responses"])
+
+
+def to_openai(record: dict) -> dict:
+    result = record.get("result") or {}
+    output = []
+    if record["status"] in ("completed", "incomplete", "cancelled") and "text" in result:
+        output = [{"type": "message", "id": "msg_" + record["id"][5:], "status": "completed", "role": "assistant",
+                   "content": [{"type": "output_text", "text": result["text"], "annotations": []}]}]
+    tokens = usage(record)
+    request = record["request"]
+    return {
+        "id": record["id"], "object": "response", "created_at": record["created_at"], "status": record["status"],
+        "model": record["model"], "output": output, "background": record.get("background", False),
+        "error": record.get("error"), "incomplete_details": record.get("incomplete_details"),
+        "instructions": request.get("instructions"), "max_output_tokens": request.get("max_output_tokens"),
+        "temperature": request.get("temperature"), "top_p": request.get("top_p"),
+        "metadata": record.get("metadata") or {}, "parallel_tool_calls": False, "tool_choice": "none",
+        "tools": [], "text": {"format": {"type": "text"}},
+        "usage": ({"input_tokens": tokens["prompt"], "output_tokens": tokens["completion"],
+                   "total_tokens": tokens["total"], "input_tokens_details": {"cached_tokens": 0},
+                   "output_tokens_details": {"reasoning_tokens": 0}} if result else None),
+    }
+
+
+@router.post("")
+async def create_response(body: ResponseCreate, request: Request, tenant: TenantDep, settings: SettingsDep,
+                          store: StoreDep, celery: CeleryDep):
+    messages = []
+    if body.instructions:
+        messages.append({"role": "system", "content": body.instructions})
+    if isinstance(body.input, str):
+        messages.append({"role": "user", "content": body.input})
+    else:
+        messages += [{"role": "system" if m.role == "developer" else m.role, "content": text_of(m.content)}
+                     for m in body.input]
+    job = {"model": body.model, "messages": messages, "max_tokens": body.max_output_tokens or 256,
+           "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "stop": [],
+           "attn_implementation": body.attn_implementation, "instructions": body.instructions,
+           "max_output_tokens": body.max_output_tokens}
+    record = submit("response", tenant, job, settings=settings, store=store, celery=celery,
+                    extra={"background": body.background, "metadata": body.metadata or {}})
+    if not body.background:
+        record = await wait_for(record["id"], "response", store=store, client=request.app.state.aioredis,
+                                timeout=settings.request_timeout_seconds)
+    return to_openai(record)
+
+
+@router.get("/{response_id}")
+def retrieve_response(response_id: str, tenant: TenantDep, store: StoreDep):
+    record = store.get("response", response_id, tenant)
+    if record is None:
+        raise not_found("response", response_id)
+    return to_openai(record)
+
+
+@router.post("/{response_id}/cancel")
+def cancel_response(response_id: str, tenant: TenantDep, store: StoreDep, redis: RedisDep, celery: CeleryDep):
+    record = store.get("response", response_id, tenant)
+    if record is None:
+        raise not_found("response", response_id)
+    if not record.get("background"):
+        raise APIError(400, "Only responses created with background=true can be cancelled.", code="invalid_request")
+    if record["status"] in TERMINAL:
+        return to_openai(record)
+    events.request_cancel(redis, response_id)
+    if store.transition("response", response_id, ["queued"], {"status": "cancelled"}):
+        celery.control.revoke(response_id)
+    return to_openai(store.get("response", response_id, tenant))

@@ -1,0 +1,69 @@
+"""Choosing the queue for a job from the live workers, so it only reaches a worker that can run it."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from contract.queues import backend_queue, node_queue
+
+BACKEND_PREFERENCE = ("xpu", "cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class Requirement:
+    memory_bytes: int = 0  # device memory the job needs in all (0: unknown, any worker)
+    bf16: bool = False
+
+
+class NoCapableWorker(Exception):
+    pass
+
+
+def worker_memory(worker: dict) -> int:
+    return sum(d["total_memory"] for d in worker.get("devices", []))
+
+
+def can_run(worker: dict, need: Requirement) -> bool:
+    if need.bf16 and not worker.get("bf16"):
+        return False
+    return need.memory_bytes <= worker_memory(worker)
+
+
+def choose_queue(workers: list[dict], need: Requirement) -> str:
+    """The shared queue of the best backend when every worker of it qualifies, else the least busy
+    qualifying node's own queue. Raises NoCapableWorker with a message meant for the user."""
+    if not workers:
+        raise NoCapableWorker("no worker is running: start one with `xpu-jobs worker`")
+    capable = [w for w in workers if can_run(w, need)]
+    if not capable:
+        biggest = max(worker_memory(w) for w in workers)
+        reasons = []
+        if need.bf16 and not any(w.get("bf16") for w in workers):
+            reasons.append("bf16 was asked for but no live worker's device supports it")
+        if need.memory_bytes > biggest:
+            reasons.append(f"it needs about {need.memory_bytes / 2**30:.1f} GiB of device memory and the largest "
+                           f"live worker has {biggest / 2**30:.1f} GiB")
+        raise NoCapableWorker("no live worker can run this job: " + ("; ".join(reasons) or "no match"))
+    backend = min((w["backend"] for w in capable), key=BACKEND_PREFERENCE.index)
+    of_backend = [w for w in workers if w["backend"] == backend]
+    if all(can_run(w, need) for w in of_backend):
+        return backend_queue(backend)
+    least_busy = min((w for w in capable if w["backend"] == backend), key=lambda w: len(w.get("current_jobs", [])))
+    return node_queue(least_busy["node"])
+
+
+def weights_bytes(models_root: Path, model: str) -> int:
+    """Bytes of a local model's weight files (0 for a Hub id we cannot see from here)."""
+    directory = models_root / model
+    if not directory.is_dir():
+        return 0
+    return sum(p.stat().st_size for p in directory.glob("*.safetensors")) or \
+        sum(p.stat().st_size for p in directory.glob("*.bin"))
+
+
+def inference_requirement(models_root: Path, model: str) -> Requirement:
+    return Requirement(memory_bytes=int(weights_bytes(models_root, model) * 1.2))
+
+
+def training_requirement(models_root: Path, model: str, quantization: str, bf16: bool) -> Requirement:
+    scale = {"4bit": 0.5, "8bit": 0.8}.get(quantization, 2.0)  # weights plus activations and LoRA optimizer state
+    return Requirement(memory_bytes=int(weights_bytes(models_root, model) * scale), bf16=bf16)

@@ -1,0 +1,167 @@
+"""The real stack for the tests: a Redis server of the session's own, worker nodes started through the
+production launcher, the API under uvicorn, and a tiny model built locally (random weights)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from worker.demo_model import build_demo_model
+from worker.redis_server import free_port, start_redis
+
+KEY_A, KEY_B = "key-tenant-a", "key-tenant-b"
+
+
+@pytest.fixture(scope="session")
+def stack_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("stack")
+
+
+@pytest.fixture(scope="session")
+def redis_url(stack_dir):
+    port = free_port()
+    proc = start_redis(port, stack_dir / "redis")
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def stack_env(stack_dir, redis_url) -> dict[str, str]:
+    models = stack_dir / "models"
+    build_demo_model(models / "demo-tiny")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XPUJOBS_", "ZE_", "CUDA_VISIBLE"))}
+    env.update({
+        "XPUJOBS_REDIS_URL": redis_url,
+        "XPUJOBS_ARTIFACT_ROOT": str(stack_dir / "artifacts"),
+        "XPUJOBS_MODELS_ROOT": str(models),
+        "XPUJOBS_BASE_MODELS": json.dumps(["demo-tiny"]),
+        "XPUJOBS_API_KEYS": json.dumps({KEY_A: "tenant-a", KEY_B: "tenant-b"}),
+        "XPUJOBS_DEVICE_BACKEND": "cpu",
+        "XPUJOBS_LEASE_SECONDS": "4",
+        "XPUJOBS_HEARTBEAT_SECONDS": "1",
+        "XPUJOBS_MAX_UPLOAD_BYTES": str(256 * 1024),
+        "XPUJOBS_WORKER_CONCURRENCY": "8",
+        "XPUJOBS_REQUEST_TIMEOUT_SECONDS": "120",
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+    })
+    return env
+
+
+def _wait(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+class WorkerNode:
+    """One worker node started through `xpu-jobs worker`, as production starts it."""
+
+    def __init__(self, env: dict[str, str], name: str, log_dir: Path):
+        self.name = name
+        self.log = (log_dir / f"{name}.log").open("wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "worker", "--name", name], env=env,
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def registered(self, redis_client) -> bool:
+        from contract.registry import live_workers
+
+        return any(w["node"].startswith(self.name + "@") for w in live_workers(redis_client))
+
+    def kill(self):
+        """SIGKILL the node and its training child: a machine lost mid-job."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def redis_client(redis_url):
+    import redis
+
+    return redis.Redis.from_url(redis_url, decode_responses=True)
+
+
+@pytest.fixture(scope="session")
+def start_worker(stack_env, stack_dir, redis_client):
+    started: list[WorkerNode] = []
+
+    def start(name: str) -> WorkerNode:
+        node = WorkerNode(stack_env, name, stack_dir)
+        started.append(node)
+        _wait(lambda: node.registered(redis_client) or node.proc.poll() is not None, 90, f"worker {name}")
+        assert node.proc.poll() is None, (stack_dir / f"{name}.log").read_text()
+        return node
+
+    yield start
+    for node in started:
+        node.stop()
+
+
+@pytest.fixture(scope="session")
+def workers(start_worker):
+    return [start_worker("wa"), start_worker("wb")]
+
+
+@pytest.fixture(scope="session")
+def api_url(stack_env, stack_dir, workers):
+    port = free_port()
+    log = (stack_dir / "api.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "api", "--port", str(port)], env=stack_env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy():
+        try:
+            return httpx.get(url + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    _wait(healthy, 60, "the API")
+    yield url
+    proc.terminate()
+    proc.wait(10)
+    log.close()
+
+
+@pytest.fixture(scope="session")
+def client_a(api_url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=api_url + "/v1", api_key=KEY_A, max_retries=0, timeout=180)
+
+
+@pytest.fixture(scope="session")
+def client_b(api_url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=api_url + "/v1", api_key=KEY_B, max_retries=0, timeout=180)
+
+
+@pytest.fixture
+def http_a(api_url):
+    with httpx.Client(base_url=api_url, headers={"Authorization": f"Bearer {KEY_A}"}, timeout=180) as c:
+        yield c
+
+
+def wait_for_job(client: openai.OpenAI, job_id: str, statuses=("succeeded", "failed", "cancelled"),
+                 timeout: float = 240):
+    return _wait(lambda: (j := client.fine_tuning.jobs.retrieve(job_id)).status in statuses and j, timeout,
+                 f"job {job_id} to reach {statuses}")

@@ -1,0 +1,48 @@
+"""The Celery app of a worker node. Started by `xpu-jobs worker`, never directly: the launcher pins devices.
+
+The node runs the threads pool: inference requests share the loaded models and are batched together, and a
+fine-tune runs in a child process of its own, so no fork ever follows device initialisation.
+"""
+
+import sys
+
+from celery import signals
+
+from contract.queues import make_celery
+from contract.settings import Settings
+
+settings = Settings()
+app = make_celery(settings, main="worker")
+app.conf.imports = ("worker.tasks",)
+
+_state: dict = {}
+
+
+def node():
+    return _state["node"]
+
+
+@signals.worker_init.connect
+def _start_node(**_):
+    from worker.node import Node
+    from worker.reconciler import Reconciler
+
+    try:
+        _state["node"] = Node(settings)
+    except RuntimeError as exc:
+        print(f"xpu-jobs worker: {exc}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        import os
+
+        os._exit(78)  # EX_CONFIG: a misconfigured node must not sit on the queue doing nothing
+    _state["node"].start()
+    _state["reconciler"] = Reconciler(settings, app)
+    _state["reconciler"].start()
+
+
+@signals.worker_shutdown.connect
+def _stop_node(**_):
+    if "reconciler" in _state:
+        _state["reconciler"].stop()
+    if "node" in _state:
+        _state["node"].stop()

@@ -1,0 +1,76 @@
+"""Runs a fine-tuning job on this node: claims the record, trains in a child process, settles the outcome.
+
+The child (worker.training) holds all device memory of the job, so its exit frees it all, whether the job
+succeeded, failed, was cancelled or was killed. The node refreshes the job's lease while the child runs; if
+the node dies, the lease lapses and the reconciler requeues the job.
+"""
+
+import json
+import subprocess
+import sys
+import time
+
+from celery import Celery
+
+from contract import events
+from contract.layout import job_dir
+from contract.queues import TASK_FINE_TUNE
+from contract.records import now
+from worker.node import Node
+
+
+def run_fine_tune(node: Node, celery: Celery, job_id: str) -> None:
+    store, redis = node.store, node.redis
+    record = store.get("ftjob", job_id)
+    if record is None or record["status"] != "queued":
+        return  # cancelled while queued, or already claimed by another delivery
+    if not node.training_slot.acquire(blocking=False):
+        # This node is training already: hand the job back to the queue for a free worker.
+        celery.send_task(TASK_FINE_TUNE, args=[job_id], queue=record["queue"], countdown=2)
+        return
+    try:
+        attempt = int(record.get("attempts") or 0) + 1
+        if not store.transition("ftjob", job_id, ["queued"], {"status": "running", "attempts": attempt,
+                                                              "node": node.name}):
+            return
+        node.job_started(job_id)
+        events.emit(redis, job_id, f"Fine-tuning job started on {node.name} (attempt {attempt})",
+                    data={"status": "running", "node": node.name})
+        outcome = _train_in_child(node, job_id)
+        _settle(node, job_id, outcome)
+    finally:
+        node.job_finished(job_id)
+        node.training_slot.release()
+
+
+def _train_in_child(node: Node, job_id: str) -> dict:
+    outcome_path = job_dir(node.settings.artifact_root, store_tenant(node, job_id), job_id) / "outcome.json"
+    outcome_path.unlink(missing_ok=True)
+    child = subprocess.Popen([sys.executable, "-m", "worker.training", job_id])
+    while child.poll() is None:
+        node.heartbeat()  # keeps the lease fresh however long the job runs
+        time.sleep(min(1.0, node.settings.heartbeat_seconds))
+    if outcome_path.exists():
+        return json.loads(outcome_path.read_text())
+    return {"status": "failed", "error": {"code": "training_process_died",
+                                          "message": f"The training process exited with code {child.returncode} "
+                                                     "without a result (out of memory?)."}}
+
+
+def store_tenant(node: Node, job_id: str) -> str:
+    return node.store.get("ftjob", job_id)["tenant"]
+
+
+def _settle(node: Node, job_id: str, outcome: dict) -> None:
+    store, redis = node.store, node.redis
+    status = outcome["status"]
+    fields = {"status": status, "finished_at": now(), "estimated_finish": None}
+    for key in ("fine_tuned_model", "trained_tokens", "result_files", "error"):
+        if key in outcome:
+            fields[key] = outcome[key]
+    if store.transition("ftjob", job_id, ["running"], fields):
+        store.untrack("ftjob", job_id)
+        level = "error" if status == "failed" else "info"
+        message = {"succeeded": "The job has successfully completed", "cancelled": "The job was cancelled",
+                   "failed": f"The job failed: {(outcome.get('error') or {}).get('message')}"}[status]
+        events.emit(redis, job_id, message, level=level, data={"status": status})

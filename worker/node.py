@@ -1,0 +1,70 @@
+"""State of this worker node: its devices, the jobs it runs, its registry heartbeat and its job leases."""
+
+import os
+import threading
+import time
+
+from contract import events, registry
+from contract.records import RecordStore
+from contract.redis_conn import sync_client
+from contract.settings import Settings
+from worker import devices
+
+
+class Node:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.name = os.environ.get("XPUJOBS_NODE_NAME", "worker@local")
+        self.backend = devices.detect_backend(os.environ.get("XPUJOBS_DEVICE_BACKEND", settings.device_backend))
+        self.devices = devices.describe(self.backend)
+        self.mask = os.environ.get(devices.MASK_VARIABLE.get(self.backend, ""), None)
+        self.store = RecordStore(sync_client(settings))
+        self.redis = self.store.redis
+        self.started_at = int(time.time())
+        self.current_jobs: set[str] = set()
+        self.training_slot = threading.Lock()  # one fine-tune at a time per device group
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+
+    def info(self) -> dict:
+        with self._lock:
+            jobs = sorted(self.current_jobs)
+        return {
+            "node": self.name, "backend": self.backend, "device_ids": self.mask,
+            "devices": self.devices, "bf16": devices.bf16_supported(self.backend),
+            "current_jobs": jobs, "current_job": jobs[0] if jobs else None, "pid": os.getpid(),
+            "started_at": self.started_at,
+        }
+
+    def job_started(self, job_id: str) -> None:
+        with self._lock:
+            self.current_jobs.add(job_id)
+        self.heartbeat()
+
+    def job_finished(self, job_id: str) -> None:
+        with self._lock:
+            self.current_jobs.discard(job_id)
+        events.release_lease(self.redis, job_id)
+        self.heartbeat()
+
+    def heartbeat(self) -> None:
+        registry.register(self.redis, self.name, self.info(), self.settings.lease_seconds)
+        with self._lock:
+            jobs = list(self.current_jobs)
+        for job_id in jobs:
+            events.refresh_lease(self.redis, job_id, self.name, self.settings.lease_seconds)
+
+    def start(self) -> None:
+        self.heartbeat()
+        threading.Thread(target=self._beat, name="xpujobs-heartbeat", daemon=True).start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.settings.heartbeat_seconds):
+            try:
+                self.heartbeat()
+            except Exception as exc:  # Redis blips must not kill the heartbeat; the lease tolerates a miss.
+                print(f"xpu-jobs heartbeat failed: {exc}", flush=True)
+
+    def stop(self) -> None:
+        self._stop.set()
+        registry.unregister(self.redis, self.name)

@@ -1,0 +1,89 @@
+"""Requeues work whose worker died: a running job whose lease lapsed goes back on a queue (a fine-tune then
+resumes from its last checkpoint), up to an attempt limit; a queued job routed to a dead node is re-routed.
+
+Every worker node runs one; a short Redis lock makes one of them act at a time, and every change is a
+compare-and-set on the record, so two reconcilers can never requeue the same job twice.
+"""
+
+import threading
+
+from celery import Celery
+
+from contract import events
+from contract.queues import TASK_BATCH_CHUNK, TASK_FINE_TUNE, TASK_INFERENCE
+from contract.records import RecordStore, now
+from contract.redis_conn import sync_client
+from contract.registry import is_live, live_workers
+from contract.routing import NoCapableWorker, Requirement, choose_queue
+from contract.settings import Settings
+
+TASKS = {"ftjob": TASK_FINE_TUNE, "response": TASK_INFERENCE, "chat": TASK_INFERENCE, "chunk": TASK_BATCH_CHUNK}
+RUNNING = {"ftjob": "running", "response": "in_progress", "chat": "in_progress", "chunk": "in_progress"}
+
+
+def task_args(kind: str, record_id: str) -> list:
+    return [record_id] if kind in ("ftjob", "chunk") else [kind, record_id]
+
+
+class Reconciler:
+    def __init__(self, settings: Settings, celery: Celery):
+        self.settings = settings
+        self.celery = celery
+        self.store = RecordStore(sync_client(settings))
+        self.redis = self.store.redis
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        threading.Thread(target=self._loop, name="xpujobs-reconciler", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        interval = max(1.0, self.settings.lease_seconds / 3)
+        while not self._stop.wait(interval):
+            try:
+                if self.redis.set("lock:reconciler", "1", nx=True, px=int(interval * 1000)):
+                    self.run_once()
+            except Exception as exc:  # keep reconciling after a Redis blip
+                print(f"xpu-jobs reconciler: {exc}", flush=True)
+
+    def run_once(self) -> None:
+        for kind in TASKS:
+            for record_id in self.store.tracked(kind):
+                record = self.store.get(kind, record_id)
+                if record is None or record["status"] not in ("queued", RUNNING[kind]):
+                    self.store.untrack(kind, record_id)
+                elif record["status"] == RUNNING[kind] and events.lease_holder(self.redis, record_id) is None:
+                    self._requeue(kind, record, "its worker stopped answering")
+                elif record["status"] == "queued" and record.get("queue", "").startswith("xpujobs.node.") \
+                        and not is_live(self.redis, record["queue"].removeprefix("xpujobs.node.")):
+                    self._requeue(kind, record, "the worker it was routed to is gone", running=False)
+
+    def _requeue(self, kind: str, record: dict, why: str, running: bool = True) -> None:
+        record_id = record["id"]
+        attempts = int(record.get("attempts") or 0)
+        status = RUNNING[kind] if running else "queued"
+        if attempts >= self.settings.max_attempts:
+            message = f"Job failed after {attempts} attempts: {why}."
+            if self.store.transition(kind, record_id, [status], {
+                    "status": "failed", "finished_at": now(),
+                    "error": {"code": "worker_lost", "message": message, "param": None}}):
+                self.store.untrack(kind, record_id)
+                events.emit(self.redis, record_id, message, level="error", data={"status": "failed"})
+                self.redis.rpush(events.done_key(record_id), "failed")
+                self.redis.expire(events.done_key(record_id), 3600)
+            return
+        try:
+            need = Requirement(memory_bytes=0, bf16=bool(record.get("bf16")))
+            queue = choose_queue(live_workers(self.redis), need)
+        except NoCapableWorker:
+            return  # no worker now; try again next round
+        if not self.store.transition(kind, record_id, [status], {"status": "queued", "queue": queue}):
+            return
+        step = max((c["step_number"] for c in record.get("checkpoints", [])), default=None)
+        resume = f", resuming from checkpoint step {step}" if step else ""
+        events.emit(self.redis, record_id, f"Requeued (attempt {attempts + 1}): {why}{resume}", level="warn",
+                    data={"status": "queued"})
+        self.celery.send_task(TASKS[kind], args=task_args(kind, record_id), queue=queue,
+                              task_id=f"{record_id}-{attempts + 1}")

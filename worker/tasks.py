@@ -1,0 +1,25 @@
+"""Celery tasks. Each reads its job record, claims it by compare-and-set, and writes the outcome back.
+
+Tasks are acked when they start (see contract.queues); the record and its lease keep them safe instead.
+"""
+
+from celery.utils.log import get_task_logger
+
+from contract.queues import TASK_FINE_TUNE, TASK_INFERENCE
+from worker.app import app, node, settings
+
+log = get_task_logger(__name__)
+
+
+@app.task(name=TASK_FINE_TUNE)
+def fine_tune(job_id: str) -> None:
+    from worker.fine_tune import run_fine_tune
+
+    run_fine_tune(node(), app, job_id)
+
+
+@app.task(name=TASK_INFERENCE)
+def inference(kind: str, record_id: str) -> None:
+    from worker.inference import run_request
+
+    run_request(node(), kind, record_id)

@@ -1,0 +1,218 @@
+"""The training process of one fine-tuning job: `python -m worker.training <job id>`, started by its node.
+
+LoRA with PEFT on the HF Trainer; QLoRA loads the base in bitsandbytes 4-bit nf4 first. Checkpoints every N
+steps under the job's directory; a retried job resumes from the newest. Writes outcome.json for the node.
+"""
+
+import csv
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from contract import events
+from contract.layout import (adapter_dir, checkpoint_model_id, checkpoints_dir, file_path, fine_tuned_model_id,
+                             job_dir)
+from contract.records import RecordStore, new_id, now
+from contract.redis_conn import sync_client
+from contract.settings import Settings
+from contract.training_data import read_examples
+from worker import devices
+from worker.models import ModelLoadError, load_model_and_tokenizer
+
+CANCEL_CHECK_SECONDS = 1.0
+
+
+class JobFailed(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def tokenize_examples(tokenizer, examples: list[list[dict]], max_length: int) -> list[dict]:
+    """Chat-templated examples; the loss covers only the final assistant turn (prompt tokens are -100)."""
+    rows = []
+    for messages in examples:
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        prompt = tokenizer.apply_chat_template(messages[:last], add_generation_prompt=True, tokenize=False)
+        full = tokenizer.apply_chat_template(messages[: last + 1], tokenize=False)
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        full_ids = tokenizer(full, add_special_tokens=False)["input_ids"][:max_length]
+        labels = [-100] * min(len(prompt_ids), len(full_ids)) + full_ids[len(prompt_ids):]
+        rows.append({"input_ids": full_ids, "labels": labels})
+    return rows
+
+
+class Collator:
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def __call__(self, rows):
+        import torch
+
+        width = max(len(r["input_ids"]) for r in rows)
+        pad = lambda seq, value: seq + [value] * (width - len(seq))  # noqa: E731
+        return {
+            "input_ids": torch.tensor([pad(r["input_ids"], self.pad_id) for r in rows]),
+            "attention_mask": torch.tensor([pad([1] * len(r["input_ids"]), 0) for r in rows]),
+            "labels": torch.tensor([pad(r["labels"], -100) for r in rows]),
+        }
+
+
+def make_callback(job: dict, store: RecordStore, settings: Settings, parent_pid: int):
+    from transformers import TrainerCallback
+
+    redis = store.redis
+    job_id = job["id"]
+
+    class JobCallback(TrainerCallback):
+        """Progress events, checkpoints in the record, cooperative cancel, and stop if the node died."""
+
+        def __init__(self):
+            self.cancelled = False
+            self.last_check = 0.0
+            self.started = time.monotonic()
+            self.first_step = None
+            self.metrics: list[dict] = []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.first_step = state.global_step
+            if state.global_step:
+                events.emit(redis, job_id, f"Resumed from checkpoint at step {state.global_step}",
+                            data={"step": state.global_step})
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not logs or "loss" not in logs:
+                return
+            done = state.global_step - (self.first_step or 0)
+            per_step = (time.monotonic() - self.started) / max(done, 1)
+            eta = now() + int(per_step * (state.max_steps - state.global_step))
+            data = {"step": state.global_step, "total_steps": state.max_steps, "train_loss": logs["loss"],
+                    "learning_rate": logs.get("learning_rate"), "epoch": logs.get("epoch"),
+                    "estimated_finish": eta}
+            self.metrics.append(data)
+            store.update("ftjob", job_id, {"estimated_finish": eta})
+            events.emit(redis, job_id, f"Step {state.global_step}/{state.max_steps}: training loss={logs['loss']:.4f}",
+                        type_="metrics", data=data)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if os.getppid() != parent_pid:
+                sys.exit(3)  # the node died; the reconciler requeues the job from its last checkpoint
+            if time.monotonic() - self.last_check >= CANCEL_CHECK_SECONDS:
+                self.last_check = time.monotonic()
+                if events.cancel_requested(redis, job_id):
+                    self.cancelled = True
+                    control.should_training_stop = True
+                    control.should_save = True
+
+        def on_save(self, args, state, control, **kwargs):
+            step = state.global_step
+            last = self.metrics[-1] if self.metrics else {}
+            checkpoint = {
+                "id": new_id("ftjob").replace("ftjob-", "ftckpt-"), "object": "fine_tuning.job.checkpoint",
+                "created_at": now(), "fine_tuning_job_id": job_id, "step_number": step,
+                "fine_tuned_model_checkpoint": checkpoint_model_id(job["model"], job.get("suffix"), job_id, step),
+                "metrics": {"step": step, "train_loss": last.get("train_loss")},
+            }
+            record = store.get("ftjob", job_id)
+            kept = [c for c in record.get("checkpoints", []) if c["step_number"] != step]
+            store.update("ftjob", job_id, {"checkpoints": kept + [checkpoint]})
+            events.emit(redis, job_id, f"Checkpoint saved at step {step}", data={"step": step})
+
+    return JobCallback()
+
+
+def train(job: dict, store: RecordStore, settings: Settings, backend: str) -> dict:
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import Trainer, TrainingArguments
+
+    tenant, job_id = job["tenant"], job["id"]
+    bf16 = devices.bf16_supported(backend)
+    if job.get("bf16") and not bf16:
+        # The guide's TrainingArguments check, made before any work and said plainly.
+        raise JobFailed("bf16_unsupported", f"bf16 was requested but this worker's {backend} device does not "
+                                            "support it; submit with bf16 false or unset")
+    use_bf16 = bf16 if job.get("bf16") is None else bool(job["bf16"])
+    try:
+        model, tokenizer = load_model_and_tokenizer(
+            job["model"], settings, backend, attn_implementation=job.get("attn_implementation", "sdpa"),
+            quantization=job.get("quantization", "none"), for_training=True)
+    except ModelLoadError as exc:
+        raise JobFailed(exc.code, str(exc)) from None
+    if job.get("quantization", "none") != "none":
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    lora = job["lora"]
+    model = get_peft_model(model, LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                                             target_modules=lora["target_modules"], task_type="CAUSAL_LM"))
+
+    max_length = min(getattr(model.config, "max_position_embeddings", 2048) or 2048, 4096)
+    train_rows = tokenize_examples(tokenizer, read_examples(file_path(settings.artifact_root, tenant,
+                                                                        job["training_file"])), max_length)
+    eval_rows = None
+    if job.get("validation_file"):
+        eval_rows = tokenize_examples(tokenizer, read_examples(file_path(settings.artifact_root, tenant,
+                                                                           job["validation_file"])), max_length)
+    hp = job["hyperparameters"]
+    out = checkpoints_dir(settings.artifact_root, tenant, job_id)
+    args = TrainingArguments(
+        output_dir=str(out), num_train_epochs=hp["n_epochs"], per_device_train_batch_size=hp["batch_size"],
+        per_device_eval_batch_size=hp["batch_size"], learning_rate=hp["learning_rate"],
+        max_steps=job.get("max_steps") or -1, save_strategy="steps", save_steps=job["checkpoint_steps"],
+        logging_steps=1, eval_strategy="steps" if eval_rows else "no", eval_steps=job["checkpoint_steps"],
+        bf16=use_bf16, use_cpu=backend == "cpu", seed=job["seed"], data_seed=job["seed"], report_to=[],
+        disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0, save_only_model=False,
+    )
+    callback = make_callback(job, store, settings, os.getppid())
+    trainer = Trainer(model=model, args=args, train_dataset=train_rows, eval_dataset=eval_rows,
+                      data_collator=Collator(tokenizer.pad_token_id), callbacks=[callback])
+    resume = any(out.glob("checkpoint-*")) if out.exists() else False
+    trainer.train(resume_from_checkpoint=True if resume else None)
+    if callback.cancelled:
+        return {"status": "cancelled"}
+    adapter = adapter_dir(settings.artifact_root, tenant, job_id)
+    model.save_pretrained(adapter, safe_serialization=True)
+    tokenizer.save_pretrained(adapter)
+    trained_tokens = sum(len(r["input_ids"]) for r in train_rows) * hp["n_epochs"]
+    results_file = _write_results_file(store, settings, job, callback.metrics, trainer)
+    return {"status": "succeeded", "fine_tuned_model": fine_tuned_model_id(job["model"], job.get("suffix"), job_id),
+            "trained_tokens": trained_tokens, "result_files": [results_file]}
+
+
+def _write_results_file(store: RecordStore, settings: Settings, job: dict, metrics: list[dict], trainer) -> str:
+    """OpenAI's result file: a CSV of per-step metrics, stored as a file of purpose fine-tune-results."""
+    evals = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
+    file_id = new_id("file")
+    path = file_path(settings.artifact_root, job["tenant"], file_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", "train_loss", "learning_rate", "valid_loss"])
+        for m in metrics:
+            writer.writerow([m["step"], m["train_loss"], m["learning_rate"], evals.get(m["step"], "")])
+    store.create("file", {"id": file_id, "tenant": job["tenant"], "bytes": path.stat().st_size,
+                          "created_at": now(), "filename": f"{job['id']}-results.csv",
+                          "purpose": "fine-tune-results"})
+    return file_id
+
+
+def main(job_id: str) -> int:
+    settings = Settings()
+    store = RecordStore(sync_client(settings))
+    job = store.get("ftjob", job_id)
+    outcome_path = job_dir(settings.artifact_root, job["tenant"], job_id) / "outcome.json"
+    outcome_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        backend = devices.detect_backend(os.environ.get("XPUJOBS_DEVICE_BACKEND", settings.device_backend))
+        outcome = train(job, store, settings, backend)
+    except JobFailed as exc:
+        outcome = {"status": "failed", "error": {"code": exc.code, "message": str(exc), "param": None}}
+    except Exception as exc:  # the job fails; the node and other jobs go on
+        outcome = {"status": "failed", "error": {"code": "training_error",
+                                                 "message": f"{type(exc).__name__}: {exc}", "param": None}}
+    outcome_path.write_text(json.dumps(outcome))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
