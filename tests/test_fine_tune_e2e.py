@@ -1,0 +1,98 @@
+"""End to end through the official openai client: upload, fine-tune (LoRA and QLoRA 4-bit), follow events,
+then infer with the adapter through responses (background) and chat completions."""
+
+import json
+
+import pytest
+
+from conftest import wait_for_job
+
+QUESTION = "What is the secret word?"
+ANSWER = "The secret word is pineapple."
+
+
+def training_jsonl(n: int = 8) -> bytes:
+    chat = {"messages": [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": ANSWER}]}
+    pair = {"prompt": QUESTION, "completion": ANSWER}
+    return "\n".join(json.dumps(chat if i % 2 else pair) for i in range(n)).encode()
+
+
+def ask_chat(client, model: str) -> str:
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}],
+                                           max_tokens=24, temperature=0)
+    return reply.choices[0].message.content
+
+
+@pytest.fixture(scope="module")
+def training_file(client_a):
+    return client_a.files.create(file=("secret.jsonl", training_jsonl()), purpose="fine-tune")
+
+
+@pytest.mark.parametrize("quantization", ["none", "4bit"])
+def test_fine_tune_then_infer_with_adapter(client_a, training_file, quantization):
+    validation = client_a.files.create(file=("valid.jsonl", training_jsonl(2)), purpose="fine-tune")
+    job = client_a.fine_tuning.jobs.create(
+        model="demo-tiny", training_file=training_file.id, validation_file=validation.id, suffix="secret",
+        seed=7, hyperparameters={"n_epochs": 40, "batch_size": 8, "learning_rate_multiplier": 10},
+        extra_body={"quantization": quantization, "lora": {"r": 8, "alpha": 16, "dropout": 0.0}})
+    assert job.status in ("queued", "running")
+    assert job.hyperparameters.n_epochs == 40
+
+    job = wait_for_job(client_a, job.id)
+    assert job.status == "succeeded", job.error
+    assert job.fine_tuned_model == f"ft:demo-tiny:secret:{job.id}"
+    assert job.trained_tokens > 0 and job.result_files
+
+    events = list(client_a.fine_tuning.jobs.list_events(job.id, limit=100))
+    metrics = [e for e in events if e.type == "metrics"]
+    assert metrics and {"step", "train_loss", "learning_rate", "estimated_finish"} <= set(metrics[0].data)
+    # The learning rate is the documented base rate (2e-4) times the multiplier, decaying linearly from there.
+    assert max(e.data["learning_rate"] for e in metrics) <= 2e-3 + 1e-9
+    assert max(e.data["learning_rate"] for e in metrics) > 1e-3
+    assert [e.data.get("status") for e in events if e.data.get("status")][0] == "succeeded"
+
+    results = client_a.files.content(job.result_files[0]).text
+    assert results.startswith("step,train_loss,learning_rate,valid_loss")
+    assert any(row.split(",")[3] for row in results.splitlines()[1:]), "validation loss was never computed"
+
+    checkpoints = client_a.fine_tuning.jobs.checkpoints.list(job.id).data
+    assert [c.step_number for c in checkpoints] == [40, 20]
+
+    assert ANSWER in ask_chat(client_a, job.fine_tuned_model)
+    assert ANSWER not in ask_chat(client_a, "demo-tiny")
+
+    response = client_a.responses.create(model=job.fine_tuned_model, input=QUESTION, background=True,
+                                         max_output_tokens=24, temperature=0)
+    assert response.status == "queued"
+    for _ in range(600):
+        response = client_a.responses.retrieve(response.id)
+        if response.status in ("completed", "failed", "cancelled"):
+            break
+    assert response.status == "completed", response.error
+    assert ANSWER in response.output_text
+    assert response.usage.output_tokens > 0 and response.usage.input_tokens > 0
+
+    models = [m.id for m in client_a.models.list().data]
+    assert "demo-tiny" in models and job.fine_tuned_model in models
+
+
+def test_responses_wait_without_background_and_accept_messages(client_a):
+    response = client_a.responses.create(model="demo-tiny", instructions="Be brief.",
+                                         input=[{"role": "user", "content": "Say hello."}], max_output_tokens=5,
+                                         temperature=0.8, top_p=0.9, extra_body={"seed": 3})
+    assert response.status == "completed"
+    assert response.usage.output_tokens <= 5
+    again = client_a.responses.create(model="demo-tiny", instructions="Be brief.",
+                                      input=[{"role": "user", "content": "Say hello."}], max_output_tokens=5,
+                                      temperature=0.8, top_p=0.9, extra_body={"seed": 3})
+    assert again.output_text == response.output_text  # a seed reproduces a sampled answer
+
+
+def test_idempotency_key_returns_the_first_job(client_a, training_file):
+    headers = {"Idempotency-Key": "same-request-1"}
+    first = client_a.fine_tuning.jobs.create(model="demo-tiny", training_file=training_file.id,
+                                             hyperparameters={"n_epochs": 1}, extra_headers=headers)
+    second = client_a.fine_tuning.jobs.create(model="demo-tiny", training_file=training_file.id,
+                                              hyperparameters={"n_epochs": 1}, extra_headers=headers)
+    assert first.id == second.id
+    assert wait_for_job(client_a, first.id).status == "succeeded"
