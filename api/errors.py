@@ -5,9 +5,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
-          422: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error", 504: "server_error"}
+_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error",
+          500: "server_error", 503: "server_error", 504: "server_error"}
 
 
 class APIError(Exception):

@@ -11,8 +11,8 @@ ROLES = {"system", "user", "assistant"}
 MAX_ERRORS = 20
 
 
-def parse_jsonl(data: bytes) -> tuple[list[dict], list[str]]:
-    """Objects of a JSONL file, and line-numbered errors for lines that are not JSON objects."""
+def parse_jsonl(data: bytes) -> tuple[list[tuple[int, dict]], list[str]]:
+    """(line number, object) for each JSON-object line, and line-numbered errors for the other lines."""
     objects, errors = [], []
     try:
         text = data.decode("utf-8")
@@ -29,7 +29,7 @@ def parse_jsonl(data: bytes) -> tuple[list[dict], list[str]]:
         if not isinstance(obj, dict):
             errors.append(f"line {number}: expected a JSON object, got {type(obj).__name__}")
             continue
-        objects.append(obj)
+        objects.append((number, obj))
     if not objects and not errors:
         errors.append("the file holds no lines")
     return objects, errors
@@ -59,31 +59,25 @@ def example_error(obj: dict) -> str | None:
 
 
 def validate_training_bytes(data: bytes) -> tuple[int, list[str]]:
-    """(number of usable examples, line-numbered errors, at most MAX_ERRORS)."""
-    text_errors: list[str] = []
-    count = 0
+    """(number of usable examples, line-numbered errors in line order, at most MAX_ERRORS)."""
     objects, errors = parse_jsonl(data)
-    if errors and not objects:
-        return 0, errors[:MAX_ERRORS]
-    text_errors.extend(errors)
-    line_numbers = [n for n, line in enumerate(data.decode("utf-8").splitlines(), start=1) if line.strip()]
-    parsed = iter(objects)
-    for number in line_numbers:
-        if any(e.startswith(f"line {number}:") for e in errors):
-            continue
-        problem = example_error(next(parsed))
+    numbered = [(int(e.split(":")[0][5:]) if e.startswith("line ") else 0, e) for e in errors]
+    usable = 0
+    for number, obj in objects:
+        problem = example_error(obj)
         if problem:
-            text_errors.append(f"line {number}: {problem}")
+            numbered.append((number, f"line {number}: {problem}"))
         else:
-            count += 1
-    return count, text_errors[:MAX_ERRORS]
+            usable += 1
+    numbered.sort(key=lambda pair: pair[0])
+    return usable, [e for _, e in numbered][:MAX_ERRORS]
 
 
 def read_examples(path: Path) -> list[dict]:
     """Usable examples as chat messages (prompt/completion becomes a user and an assistant turn)."""
     objects, _ = parse_jsonl(path.read_bytes())
     examples = []
-    for obj in objects:
+    for _, obj in objects:
         if example_error(obj):
             continue
         if "messages" in obj:

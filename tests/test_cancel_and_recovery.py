@@ -5,7 +5,6 @@ import json
 import time
 
 import httpx
-
 from conftest import _wait, wait_for_job
 
 LINES = "\n".join(json.dumps({"messages": [{"role": "user", "content": f"Count {i}."},

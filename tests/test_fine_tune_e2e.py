@@ -4,7 +4,6 @@ then infer with the adapter through responses (background) and chat completions.
 import json
 
 import pytest
-
 from conftest import wait_for_job
 
 QUESTION = "What is the secret word?"

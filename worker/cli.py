@@ -18,7 +18,8 @@ from worker.devices import PinningError, pinned_environment, probe_backend
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="xpu-jobs", description="xpu-jobs: fine-tuning and inference jobs on Intel GPUs")
+    parser = argparse.ArgumentParser(prog="xpu-jobs",
+                                     description="xpu-jobs: fine-tuning and inference jobs on Intel GPUs")
     sub = parser.add_subparsers(dest="command", required=True)
 
     w = sub.add_parser("worker", help="start one Celery worker node per device group, pinned to its devices")
@@ -35,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--host", default="127.0.0.1")
     a.add_argument("--port", type=int, default=8000)
 
-    u = sub.add_parser("up", help="the whole stack on this machine: Redis (embedded if none is configured), API, workers")
+    u = sub.add_parser("up", help="the whole stack on this machine: Redis (embedded if none is configured), "
+                                  "API, workers")
     u.add_argument("--host", default="127.0.0.1")
     u.add_argument("--port", type=int, default=8000)
     u.add_argument("--redis-port", type=int, default=6390, help="port of the embedded Redis")

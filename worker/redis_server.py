@@ -31,7 +31,7 @@ def start_redis(port: int, data_dir: Path, *, appendonly: bool = True) -> subpro
                 return proc
         except OSError:
             if proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {proc.returncode} on port {port}")
+                raise RuntimeError(f"redis-server exited with {proc.returncode} on port {port}") from None
             time.sleep(0.05)
     proc.kill()
     raise RuntimeError(f"redis-server did not listen on port {port}")

@@ -6,7 +6,7 @@ Tasks are acked when they start (see contract.queues); the record and its lease 
 from celery.utils.log import get_task_logger
 
 from contract.queues import TASK_FINE_TUNE, TASK_INFERENCE
-from worker.app import app, node, settings
+from worker.app import app, node
 
 log = get_task_logger(__name__)
 

@@ -9,11 +9,9 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 from contract import events
-from contract.layout import (adapter_dir, checkpoint_model_id, checkpoints_dir, file_path, fine_tuned_model_id,
-                             job_dir)
+from contract.layout import adapter_dir, checkpoint_model_id, checkpoints_dir, file_path, fine_tuned_model_id, job_dir
 from contract.records import RecordStore, new_id, now
 from contract.redis_conn import sync_client
 from contract.settings import Settings

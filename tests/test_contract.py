@@ -1,0 +1,86 @@
+"""The contract package on its own: records, events, routing, layout and training-data validation."""
+
+import json
+
+import pytest
+
+from contract import events
+from contract.layout import fine_tuned_model_id, parse_fine_tuned, safe_name
+from contract.records import RecordStore, new_id
+from contract.routing import NoCapableWorker, Requirement, choose_queue
+from contract.training_data import validate_training_bytes
+
+
+@pytest.fixture
+def store(redis_client):
+    return RecordStore(redis_client)
+
+
+def test_compare_and_set_allows_one_winner(store):
+    record = {"id": new_id("ftjob"), "tenant": "t", "status": "queued", "created_at": 0}
+    store.create("ftjob", record)
+    assert store.transition("ftjob", record["id"], ["queued"], {"status": "running", "attempts": 1})
+    assert not store.transition("ftjob", record["id"], ["queued"], {"status": "running", "attempts": 2})
+    assert store.get("ftjob", record["id"])["attempts"] == 1
+    assert store.get("ftjob", record["id"], tenant="other") is None
+
+
+def test_listing_is_newest_first_with_cursor(store):
+    tenant = "lister-" + new_id("file")
+    ids = [store.create("file", {"id": new_id("file"), "tenant": tenant, "created_at": i})[0]["id"]
+           for i in range(5)]
+    page, more = store.page("file", tenant, limit=2)
+    assert [r["id"] for r in page] == ids[::-1][:2] and more
+    page, more = store.page("file", tenant, after=page[-1]["id"], limit=10)
+    assert [r["id"] for r in page] == ids[::-1][2:] and not more
+
+
+def test_idempotency_key(store):
+    first, created = store.create("ftjob", {"id": "ftjob-a", "tenant": "i", "status": "queued"}, "k1")
+    second, created_again = store.create("ftjob", {"id": "ftjob-b", "tenant": "i", "status": "queued"}, "k1")
+    assert created and not created_again and second["id"] == "ftjob-a"
+    assert store.get("ftjob", "ftjob-b") is None
+
+
+def test_event_pages_resume_after_an_id(redis_client):
+    job = new_id("ftjob")
+    for i in range(5):
+        events.emit(redis_client, job, f"event {i}")
+    page, more = events.read_newest_first(redis_client, job, None, 2)
+    assert [e["message"] for e in page] == ["event 4", "event 3"] and more
+    page, more = events.read_newest_first(redis_client, job, page[-1]["id"], 10)
+    assert [e["message"] for e in page] == ["event 2", "event 1", "event 0"] and not more
+
+
+def test_routing():
+    small = {"node": "a@h", "backend": "cuda", "devices": [{"total_memory": 10}], "bf16": True}
+    big = {"node": "b@h", "backend": "cuda", "devices": [{"total_memory": 10}, {"total_memory": 30}], "bf16": True}
+    cpu = {"node": "c@h", "backend": "cpu", "devices": [{"total_memory": 100}], "bf16": False}
+    assert choose_queue([small, big, cpu], Requirement(5)) == "xpujobs.cuda"
+    assert choose_queue([small, big, cpu], Requirement(35)) == "xpujobs.node.b@h"
+    assert choose_queue([small, big, cpu], Requirement(80)) == "xpujobs.cpu"
+    with pytest.raises(NoCapableWorker, match="bf16"):
+        choose_queue([cpu], Requirement(1, bf16=True))
+    with pytest.raises(NoCapableWorker, match="GiB"):
+        choose_queue([small], Requirement(11))
+    with pytest.raises(NoCapableWorker, match="no worker is running"):
+        choose_queue([], Requirement())
+
+
+def test_model_ids_and_names():
+    model = fine_tuned_model_id("Qwen/Qwen3-0.6B", "mine", "ftjob-1")
+    assert model == "ft:Qwen/Qwen3-0.6B:mine:ftjob-1"
+    ref = parse_fine_tuned(model)
+    assert (ref.base, ref.suffix, ref.job_id, ref.checkpoint_step) == ("Qwen/Qwen3-0.6B", "mine", "ftjob-1", None)
+    assert parse_fine_tuned(model + ":ckpt-step-20").checkpoint_step == 20
+    assert parse_fine_tuned("demo-tiny") is None and parse_fine_tuned("ft:only") is None
+    assert safe_name("../../etc/passwd") == "passwd" and safe_name("..") == "file"
+
+
+def test_training_validation_reports_lines():
+    good = json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
+    data = "\n".join([good, "{oops", json.dumps({"prompt": "p", "completion": ""}), "[1]", ""]).encode()
+    count, errors = validate_training_bytes(data)
+    assert count == 1
+    assert [e.split(":")[0] for e in errors] == ["line 2", "line 3", "line 4"]
+    assert validate_training_bytes(b"\xff\xfe")[1][0].startswith("the file is not UTF-8")
