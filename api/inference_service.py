@@ -17,13 +17,6 @@ from contract.settings import Settings
 TERMINAL = {"completed", "failed", "cancelled", "incomplete"}
 
 
-def text_of(content: str | list[dict]) -> str:
-    """Message content as plain text; OpenAI's content parts carry text under 'text'."""
-    if isinstance(content, str):
-        return content
-    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-
-
 def submit(kind: str, tenant: str, request: dict, *, settings: Settings, store: RecordStore, celery: Celery,
            extra: dict | None = None) -> dict:
     """Create a queued record of an inference request and publish it. Nothing is created on a 4xx."""

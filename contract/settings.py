@@ -36,6 +36,10 @@ class Settings(BaseSettings):
     max_attempts: int = 3
     # Base models kept loaded per worker, bounded by their parameter bytes.
     model_cache_bytes: int = 8 * 1024**3
+    # Device memory one loaded model's generation engine may take for its KV cache and workspace.
+    engine_memory_bytes: int = 4 * 1024**3
+    # Most requests one engine decodes together.
+    engine_max_batch_size: int = 256
     # Threads of a worker node: concurrent inference requests it accepts and batches together.
     worker_concurrency: int = 16
 

@@ -1,16 +1,24 @@
-"""Single inference requests on this node: base models stay loaded (a cache bounded by a byte budget) and
-fine-tuned adapters are loaded onto the loaded base and switched per request, never by reloading the base."""
+"""Inference on this node. Base models stay loaded (a cache bounded by a byte budget), each with a generation
+engine that batches every concurrent request for it; fine-tuned adapters are loaded onto the loaded base once
+and chosen per request inside a batch, never by reloading the base."""
 
 import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from contract import events
+from contract import catalog, events
 from contract.layout import adapter_dir, checkpoint_dir
 from contract.records import now
 from contract.settings import Settings
+from worker import devices
+from worker.engine import Engine, GenerationRequest, GenerationResult, SamplingParams
 from worker.models import ModelLoadError, load_model_and_tokenizer
 from worker.node import Node
+
+CANCEL_POLL_SECONDS = 0.5
 
 
 class RequestFailed(Exception):
@@ -21,11 +29,11 @@ class RequestFailed(Exception):
 
 @dataclass
 class LoadedModel:
-    model: object
+    engine: Engine
     tokenizer: object
+    max_positions: int | None
     nbytes: int
     adapters: set[str] = field(default_factory=set)
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class ModelCache:
@@ -51,110 +59,122 @@ class ModelCache:
             nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
             while self._models and sum(m.nbytes for m in self._models.values()) + nbytes > \
                     self.settings.model_cache_bytes:
-                self._models.popitem(last=False)
-            loaded = self._models[key] = LoadedModel(model, tokenizer, nbytes)
+                self._models.popitem(last=False)[1].engine.close()
+            engine = Engine(model, tokenizer, device=devices.torch_device(self.backend),
+                            memory_budget_bytes=self.settings.engine_memory_bytes,
+                            max_batch_size=self.settings.engine_max_batch_size)
+            loaded = self._models[key] = LoadedModel(engine, tokenizer,
+                                                     getattr(model.config, "max_position_embeddings", None), nbytes)
             return loaded
 
-    def attach_adapter(self, loaded: LoadedModel, name: str, path) -> None:
-        """Load an adapter onto the loaded base once; later requests only switch to it."""
+    @staticmethod
+    def attach_adapter(loaded: LoadedModel, name: str, path: Path) -> None:
+        """Load an adapter onto the loaded base once; later requests only name it."""
         from peft import PeftModel
 
-        with loaded.lock:
+        engine = loaded.engine
+        with engine.model_lock:  # waits for the engine's current step
             if name in loaded.adapters:
                 return
             if not (path / "adapter_config.json").exists():
                 raise RequestFailed("model_not_found", f"The adapter files of '{name}' are missing.")
-            if isinstance(loaded.model, PeftModel):
-                loaded.model.load_adapter(str(path), adapter_name=name)
+            model = engine.model
+            if isinstance(model, PeftModel):
+                model.load_adapter(str(path), adapter_name=name)
             else:
-                loaded.model = PeftModel.from_pretrained(loaded.model, str(path), adapter_name=name)
-            loaded.model.eval()
+                model = PeftModel.from_pretrained(model, str(path), adapter_name=name)
+            model.eval()
+            engine.update_model(model)
             loaded.adapters.add(name)
 
 
-_caches: dict[int, ModelCache] = {}
+_caches: dict[str, ModelCache] = {}
 
 
 def cache_for(node: Node) -> ModelCache:
-    return _caches.setdefault(id(node), ModelCache(node.settings, node.backend))
+    return _caches.setdefault(node.name, ModelCache(node.settings, node.backend))
 
 
-def adapter_for(record: dict, settings: Settings) -> tuple[str, object] | None:
-    if not record.get("adapter_job"):
+def adapter_of(tenant: str, ref, settings: Settings) -> tuple[str, Path] | None:
+    if ref is None:
         return None
-    job_id, step = record["adapter_job"], record.get("adapter_step")
-    if step is None:
-        return job_id, adapter_dir(settings.artifact_root, record["tenant"], job_id)
-    return f"{job_id}-step-{step}", checkpoint_dir(settings.artifact_root, record["tenant"], job_id, step)
+    if ref.checkpoint_step is None:
+        return ref.job_id, adapter_dir(settings.artifact_root, tenant, ref.job_id)
+    return (f"{ref.job_id}-step-{ref.checkpoint_step}",
+            checkpoint_dir(settings.artifact_root, tenant, ref.job_id, ref.checkpoint_step))
 
 
-def generate(loaded: LoadedModel, adapter: str | None, request: dict) -> dict:
-    import torch
+def prompt_ids(tokenizer, request: dict) -> list[int]:
+    if "prompt" in request:  # /v1/completions: raw text, no chat template
+        return tokenizer(request["prompt"], add_special_tokens=False)["input_ids"]
+    return tokenizer.apply_chat_template(request["messages"], add_generation_prompt=True, tokenize=True,
+                                         return_dict=True)["input_ids"]
 
-    tokenizer = loaded.tokenizer
-    prompt_ids = tokenizer.apply_chat_template(request["messages"], add_generation_prompt=True, tokenize=True,
-                                               return_dict=True)["input_ids"]
-    limit = getattr(loaded.model.config, "max_position_embeddings", None)
-    if limit and len(prompt_ids) + request["max_tokens"] > limit:
-        raise RequestFailed("invalid_prompt", f"The prompt ({len(prompt_ids)} tokens) plus max tokens "
-                                              f"({request['max_tokens']}) exceeds the model's context of {limit}.")
+
+def start(node: Node, request_id: str, tenant: str, request: dict) -> tuple[LoadedModel, Future]:
+    """Resolve the model, load base and adapter as needed, and hand the request to the engine."""
+    try:
+        base, ref = catalog.resolve(request["model"], tenant, node.settings, node.store)
+    except catalog.UnknownModel as exc:
+        raise RequestFailed("model_not_found", str(exc)) from None
+    cache = cache_for(node)
+    loaded = cache.get(base, request.get("attn_implementation") or "sdpa")
+    adapter = adapter_of(tenant, ref, node.settings)
+    if adapter:
+        cache.attach_adapter(loaded, *adapter)
+    ids = prompt_ids(loaded.tokenizer, request)
+    if loaded.max_positions and len(ids) + request["max_tokens"] > loaded.max_positions:
+        raise RequestFailed("invalid_prompt", f"The prompt ({len(ids)} tokens) plus max tokens "
+                                              f"({request['max_tokens']}) exceeds the model's context of "
+                                              f"{loaded.max_positions}.")
     temperature = request.get("temperature")
-    sample = temperature is not None and temperature > 0
-    options = {"max_new_tokens": request["max_tokens"], "do_sample": sample,
-               "pad_token_id": tokenizer.pad_token_id}
-    if sample:
-        options.update(temperature=temperature, top_p=request.get("top_p") or 1.0)
-    if request.get("stop"):
-        options.update(stop_strings=request["stop"], tokenizer=tokenizer)
-    with loaded.lock, torch.inference_mode():
-        if request.get("seed") is not None:
-            torch.manual_seed(request["seed"])
-        model = loaded.model
-        ids = torch.tensor([prompt_ids], device=model.device)
-        if adapter:
-            model.set_adapter(adapter)
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **options)
-        elif hasattr(model, "disable_adapter"):
-            with model.disable_adapter():
-                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **options)
-        else:
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **options)
-    new = out[0][len(prompt_ids):].tolist()
-    finished = bool(new) and new[-1] == tokenizer.eos_token_id
-    text = tokenizer.decode(new, skip_special_tokens=True)
-    for stop in request.get("stop") or []:
-        if stop in text:
-            text, finished = text[: text.index(stop)], True
-    return {"text": text, "finish_reason": "stop" if finished or len(new) < request["max_tokens"] else "length",
-            "prompt_tokens": len(prompt_ids), "completion_tokens": len(new)}
+    params = SamplingParams(max_new_tokens=request["max_tokens"],
+                            temperature=1.0 if temperature is None else temperature,
+                            top_p=request.get("top_p") or 1.0, seed=request.get("seed"),
+                            stop=list(request.get("stop") or []))
+    future = loaded.engine.submit(GenerationRequest(request_id, ids, params, adapter[0] if adapter else None))
+    return loaded, future
+
+
+def outcome(result: GenerationResult) -> dict:
+    if result.finish_reason == "error":
+        raise RequestFailed("invalid_prompt", result.error or "generation failed")
+    return {"text": result.text, "finish_reason": "stop" if result.finish_reason == "cancelled"
+            else result.finish_reason, "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": result.completion_tokens}
+
+
+def wait(node: Node, loaded: LoadedModel, future: Future, request_id: str, cancel_key: str) -> GenerationResult:
+    """The engine's result; a cancel asked for meanwhile stops the request in the engine."""
+    while True:
+        try:
+            return future.result(timeout=CANCEL_POLL_SECONDS)
+        except TimeoutError:
+            if events.cancel_requested(node.redis, cancel_key):
+                loaded.engine.cancel(request_id)
 
 
 def run_request(node: Node, kind: str, record_id: str) -> None:
+    """One live request (a response or a chat completion) from its record to its result."""
     store, redis = node.store, node.redis
     record = store.get(kind, record_id)
     if record is None or not store.transition(kind, record_id, ["queued"], {"status": "in_progress",
                                                                              "node": node.name}):
         return
     node.job_started(record_id)
+    started = time.monotonic()
     try:
-        cache = cache_for(node)
-        loaded = cache.get(record["base_model"], record["request"].get("attn_implementation") or "sdpa")
-        adapter = adapter_for(record, node.settings)
-        if adapter:
-            cache.attach_adapter(loaded, *adapter)
-        result = generate(loaded, adapter[0] if adapter else None, record["request"])
-        cancelled = events.cancel_requested(redis, record_id)
-        store.transition(kind, record_id, ["in_progress"], {
-            "status": "cancelled" if cancelled else "completed", "result": result, "completed_at": now()})
+        loaded, future = start(node, record_id, record["tenant"], record["request"])
+        result = wait(node, loaded, future, record_id, record_id)
+        fields = {"status": "cancelled" if result.finish_reason == "cancelled" else "completed",
+                  "result": outcome(result)}
     except RequestFailed as exc:
-        store.transition(kind, record_id, ["in_progress"], {
-            "status": "failed", "error": {"code": exc.code, "message": str(exc)}, "completed_at": now()})
+        fields = {"status": "failed", "error": {"code": exc.code, "message": str(exc)}}
     except Exception as exc:  # one bad request must not take the node down
-        store.transition(kind, record_id, ["in_progress"], {
-            "status": "failed", "error": {"code": "server_error", "message": f"{type(exc).__name__}: {exc}"},
-            "completed_at": now()})
-    finally:
-        store.untrack(kind, record_id)
-        node.job_finished(record_id)
-        redis.rpush(events.done_key(record_id), "1")
-        redis.expire(events.done_key(record_id), 3600)
+        fields = {"status": "failed", "error": {"code": "server_error", "message": f"{type(exc).__name__}: {exc}"}}
+    fields.update(completed_at=now(), seconds=round(time.monotonic() - started, 3))
+    store.transition(kind, record_id, ["in_progress"], fields)
+    store.untrack(kind, record_id)
+    node.job_finished(record_id)
+    redis.rpush(events.done_key(record_id), "1")
+    redis.expire(events.done_key(record_id), 3600)

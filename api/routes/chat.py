@@ -5,8 +5,8 @@ from fastapi import APIRouter, Request
 
 from api.deps import CeleryDep, SettingsDep, StoreDep, TenantDep
 from api.errors import APIError
-from api.inference_service import submit, text_of, usage, wait_for
-from api.protocol.inference import ChatCompletionCreate
+from api.inference_service import submit, usage, wait_for
+from contract.inference_requests import ChatCompletionCreate
 
 router = APIRouter(prefix="/v1/chat", tags=["chat"])
 
@@ -27,13 +27,7 @@ def to_openai(record: dict) -> dict:
 @router.post("/completions")
 async def create_chat_completion(body: ChatCompletionCreate, request: Request, tenant: TenantDep,
                                  settings: SettingsDep, store: StoreDep, celery: CeleryDep):
-    stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
-    job = {"model": body.model,
-           "messages": [{"role": "system" if m.role == "developer" else m.role, "content": text_of(m.content)}
-                        for m in body.messages],
-           "max_tokens": body.max_completion_tokens or body.max_tokens or 256, "temperature": body.temperature,
-           "top_p": body.top_p, "seed": body.seed, "stop": stop, "attn_implementation": body.attn_implementation}
-    record = submit("chat", tenant, job, settings=settings, store=store, celery=celery)
+    record = submit("chat", tenant, body.normal(), settings=settings, store=store, celery=celery)
     record = await wait_for(record["id"], "chat", store=store, client=request.app.state.aioredis,
                             timeout=settings.request_timeout_seconds)
     if record["status"] != "completed":

@@ -4,9 +4,9 @@ from fastapi import APIRouter, Request
 
 from api.deps import CeleryDep, RedisDep, SettingsDep, StoreDep, TenantDep
 from api.errors import APIError, not_found
-from api.inference_service import TERMINAL, submit, text_of, usage, wait_for
-from api.protocol.inference import ResponseCreate
+from api.inference_service import TERMINAL, submit, usage, wait_for
 from contract import events
+from contract.inference_requests import ResponseCreate
 
 router = APIRouter(prefix="/v1/responses", tags=["responses"])
 
@@ -36,18 +36,7 @@ def to_openai(record: dict) -> dict:
 @router.post("")
 async def create_response(body: ResponseCreate, request: Request, tenant: TenantDep, settings: SettingsDep,
                           store: StoreDep, celery: CeleryDep):
-    messages = []
-    if body.instructions:
-        messages.append({"role": "system", "content": body.instructions})
-    if isinstance(body.input, str):
-        messages.append({"role": "user", "content": body.input})
-    else:
-        messages += [{"role": "system" if m.role == "developer" else m.role, "content": text_of(m.content)}
-                     for m in body.input]
-    job = {"model": body.model, "messages": messages, "max_tokens": body.max_output_tokens or 256,
-           "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "stop": [],
-           "attn_implementation": body.attn_implementation, "instructions": body.instructions,
-           "max_output_tokens": body.max_output_tokens}
+    job = {**body.normal(), "instructions": body.instructions, "max_output_tokens": body.max_output_tokens}
     record = submit("response", tenant, job, settings=settings, store=store, celery=celery,
                     extra={"background": body.background, "metadata": body.metadata or {}})
     if not body.background:

@@ -1,0 +1,94 @@
+"""Inference request bodies (OpenAI's shapes plus documented extensions) and their normal form.
+
+The API validates live requests with them and the workers validate batch lines with the same schemas; both
+turn a body into one normal form: {model, messages | prompt, max_tokens, temperature, top_p, seed, stop,
+attn_implementation}.
+"""
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+Attention = Literal["sdpa", "eager", "flash_attention_2"]
+DEFAULT_MAX_TOKENS = 256
+
+
+def text_of(content: str | list[dict]) -> str:
+    """Message content as plain text; OpenAI's content parts carry text under 'text'."""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+
+
+class Message(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict]
+    type: Literal["message"] | None = None
+
+    def normal(self) -> dict:
+        return {"role": "system" if self.role == "developer" else self.role, "content": text_of(self.content)}
+
+
+class Sampling(BaseModel):
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = None
+    attn_implementation: Attention = "sdpa"
+
+    def sampling(self) -> dict:
+        return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
+                "attn_implementation": self.attn_implementation}
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else (stop or [])
+
+
+class ResponseCreate(Sampling):
+    model: str
+    input: str | list[Message]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1, le=32768)
+    background: bool = False
+    metadata: dict[str, str] | None = None
+
+    def normal(self) -> dict:
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        if isinstance(self.input, str):
+            messages.append({"role": "user", "content": self.input})
+        else:
+            messages += [m.normal() for m in self.input]
+        return {"model": self.model, "messages": messages, "stop": [],
+                "max_tokens": self.max_output_tokens or DEFAULT_MAX_TOKENS, **self.sampling()}
+
+
+class ChatCompletionCreate(Sampling):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=32768)
+    max_completion_tokens: int | None = Field(None, ge=1, le=32768)
+    n: int = Field(1, ge=1, le=1)
+    stop: str | list[str] | None = None
+    stream: Literal[False] = False
+
+    def normal(self) -> dict:
+        return {"model": self.model, "messages": [m.normal() for m in self.messages], "stop": _stops(self.stop),
+                "max_tokens": self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS,
+                **self.sampling()}
+
+
+class CompletionCreate(Sampling):
+    model: str
+    prompt: str
+    max_tokens: int | None = Field(None, ge=1, le=32768)
+    n: int = Field(1, ge=1, le=1)
+    stop: str | list[str] | None = None
+    stream: Literal[False] = False
+
+    def normal(self) -> dict:
+        return {"model": self.model, "prompt": self.prompt, "stop": _stops(self.stop),
+                "max_tokens": self.max_tokens or 16, **self.sampling()}
+
+
+BODY_SCHEMAS = {"/v1/chat/completions": ChatCompletionCreate, "/v1/responses": ResponseCreate,
+                "/v1/completions": CompletionCreate}
