@@ -1,0 +1,288 @@
+"""worker/engine.py on CPU with the tiny demo model (fp32): same tokens as greedy `generate`, per-request LoRA in
+one batch, sampling, stop strings, errors, cancellation, concurrent submission, model swaps, memory budget."""
+
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker.engine import Engine, GenerationRequest, SamplingParams, _mix32, _mix32_py, _mul32, sample_tokens
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+MB = 1 << 20
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from worker.demo_model import build_demo_model
+
+    return build_demo_model(tmp_path_factory.mktemp("engine") / "tiny")
+
+
+def load(tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dir):
+    return load(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(tiny_dir, tmp_path_factory):
+    """Two LoRA adapters with random, non-zero A and B, so each changes the output."""
+    from peft import LoraConfig, get_peft_model
+
+    out = {}
+    for i, name in enumerate(("alpha", "beta")):
+        torch.manual_seed(100 + i)
+        cfg = LoraConfig(r=4 + 4 * i, lora_alpha=16, target_modules="all-linear", init_lora_weights=False,
+                         lora_dropout=0.0)
+        pm = get_peft_model(load(tiny_dir), cfg)
+        with torch.no_grad():  # make the deltas large enough to change greedy tokens
+            for n, p in pm.named_parameters():
+                if "lora_" in n:
+                    p.mul_(3.0)
+        path = tmp_path_factory.mktemp("adapters") / name
+        pm.save_pretrained(path)
+        out[name] = path
+    return out
+
+
+def prompts(n, seed=0, lo=3, hi=60):
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 300) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def reference(model, prompt, new=NEW):
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         do_sample=False, max_new_tokens=new)
+    return out[0, len(prompt):].tolist()
+
+
+def greedy(prompt_ids, i, new=NEW, adapter=None, **kw):
+    return GenerationRequest(str(i), prompt_ids, SamplingParams(max_new_tokens=new, temperature=0.0, **kw), adapter)
+
+
+@pytest.mark.parametrize("native,slots,prefill_tokens", [(True, 3, 2048), (True, 8, 32), (False, 3, 2048)],
+                         ids=["native", "native-chunked-prefill", "hf-fallback"])
+def test_greedy_matches_generate(model, tokenizer, native, slots, prefill_tokens):
+    ps = prompts(7, seed=1) + [[7] * 45]  # different lengths; 45 > 32 exercises segmented prefill
+    refs = [reference(model, p) for p in ps]
+    seen = []
+    with Engine(model, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=slots, native=native,
+                max_seq_len=128, prefill_tokens=prefill_tokens) as eng:
+        # Different max_new_tokens stagger finishes, so requests join and leave between steps.
+        reqs = [greedy(p, i, new=NEW - (i % 3)) for i, p in enumerate(ps)]
+        res = eng.generate(reqs, on_result=seen.append)
+        assert eng.stats["path"] == ("native" if native else "hf")
+    assert sorted(r.request_id for r in seen) == sorted(r.request_id for r in res)
+    for i, (r, ref) in enumerate(zip(res, refs)):
+        n = NEW - (i % 3)
+        assert r.request_id == str(i)
+        assert r.output_ids == ref[:n], (i, r.output_ids, ref)
+        assert r.finish_reason == ("stop" if len(ref) < n or ref[n - 1] == model.generation_config.eos_token_id
+                                   else "length")
+        assert r.prompt_tokens == len(ps[i]) and r.completion_tokens == len(r.output_ids)
+        assert r.text == tokenizer.decode(r.output_ids, skip_special_tokens=True)
+
+
+def test_compaction_moves_requests_to_low_slots(model, tokenizer):
+    rng = random.Random(9)
+    ps = [[rng.randrange(5, 300) for _ in range(n)] for n in (5, 10, 20)]  # prefilled into slots 0, 1, 2
+    news = [3, 15, 15]  # slot 0 frees first, then slot 2 moves down to it
+    refs = [reference(model, p, new=n) for p, n in zip(ps, news)]
+    with Engine(model, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=3, max_seq_len=128) as eng:
+        res = eng.generate([greedy(p, i, new=n) for i, (p, n) in enumerate(zip(ps, news))])
+        assert eng.stats["migrations"] >= 1
+    assert [r.output_ids for r in res] == refs
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "hf-fallback"])
+def test_mixed_lora_batch_matches_each_adapter_alone(tiny_dir, tokenizer, adapter_dirs, native):
+    from peft import PeftModel
+
+    pm = PeftModel.from_pretrained(load(tiny_dir), adapter_dirs["alpha"], adapter_name="alpha").eval()
+    pm.load_adapter(adapter_dirs["beta"], adapter_name="beta")
+    ps = prompts(6, seed=2)
+    names = [None, "alpha", "beta", "alpha", None, "beta"]
+    refs = []
+    for p, name in zip(ps, names):
+        if name is None:
+            with pm.disable_adapter():
+                refs.append(reference(pm, p))
+        else:
+            pm.set_adapter(name)
+            refs.append(reference(pm, p))
+    with pm.disable_adapter():
+        base_refs = [reference(pm, p) for p in ps]
+    assert any(r != b for r, b, n in zip(refs, base_refs, names) if n), "adapters must change the output"
+    with Engine(pm, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=8, native=native,
+                max_seq_len=128) as eng:
+        assert eng.stats["path"] == ("native" if native else "hf")
+        res = eng.generate([greedy(p, i, adapter=n) for i, (p, n) in enumerate(zip(ps, names))])
+        assert eng.stats["max_running"] == len(ps)  # one batch
+    for r, ref, n in zip(res, refs, names):
+        assert r.output_ids == ref, (n, r.output_ids, ref)
+
+
+def test_update_model_wraps_base_in_peft(tiny_dir, tokenizer, adapter_dirs):
+    from peft import PeftModel
+
+    base = load(tiny_dir)
+    p = prompts(1, seed=3)[0]
+    base_ref = reference(base, p)
+    with Engine(base, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=4, max_seq_len=128) as eng:
+        assert eng.generate([greedy(p, 0)])[0].output_ids == base_ref
+        bad = eng.generate([greedy(p, 1, adapter="alpha")])[0]
+        assert bad.finish_reason == "error" and "alpha" in bad.error
+        with eng.model_lock:
+            pm = PeftModel.from_pretrained(base, adapter_dirs["alpha"], adapter_name="alpha").eval()
+            eng.update_model(pm)
+        pm.set_adapter("alpha")
+        alpha_ref = reference(pm, p)
+        res = eng.generate([greedy(p, 2, adapter="alpha"), greedy(p, 3)])
+        assert res[0].output_ids == alpha_ref
+        assert res[1].output_ids == base_ref
+        with eng.model_lock:  # a second adapter loaded into the live PeftModel
+            pm.load_adapter(adapter_dirs["beta"], adapter_name="beta")
+            eng.update_model(pm)
+        pm.set_adapter("beta")
+        beta_ref = reference(pm, p)
+        assert eng.generate([greedy(p, 4, adapter="beta")])[0].output_ids == beta_ref
+
+
+def test_sampling_seed_reproduces_whatever_the_batch(model, tokenizer):
+    ps = prompts(4, seed=4)
+    params = dict(max_new_tokens=16, temperature=0.9, top_p=0.9)
+    with Engine(model, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=8, max_seq_len=128) as eng:
+        alone = eng.generate([GenerationRequest("a", ps[0], SamplingParams(seed=7, **params))])[0]
+        mixed = eng.generate([GenerationRequest(str(i), p, SamplingParams(seed=7 if i == 0 else i, **params))
+                              for i, p in enumerate(ps)])
+        other = eng.generate([GenerationRequest("b", ps[0], SamplingParams(seed=8, **params))])[0]
+        greedy_out = eng.generate([greedy(ps[0], "g", new=16)])[0]
+    assert alone.output_ids == mixed[0].output_ids
+    assert other.output_ids != alone.output_ids
+    assert alone.output_ids != greedy_out.output_ids
+
+
+def test_sampler_follows_the_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(4000, 1)
+    toks = sample_tokens(logits, [1.0] * 4000, [1.0] * 4000, list(range(4000)), [0] * 4000)
+    freq = torch.bincount(toks, minlength=4).float() / 4000
+    assert torch.allclose(freq, torch.softmax(logits[0], -1), atol=0.03)
+    toks = sample_tokens(logits, [1.0] * 4000, [0.7] * 4000, list(range(4000)), [5] * 4000)
+    assert set(toks.tolist()) <= {0, 1}  # p = .64, .24, ...: top_p 0.7 keeps two tokens
+    x = torch.randint(0, 2**32, (1000,), dtype=torch.int64)
+    assert _mul32(x, 0x846CA68B).tolist() == [(v * 0x846CA68B) & 0xFFFFFFFF for v in x.tolist()]
+    assert _mix32(x).tolist() == [_mix32_py(v) for v in x.tolist()]
+
+
+def test_stop_string_truncates_text(model, tokenizer):
+    p = prompts(1, seed=5, lo=10, hi=11)[0]
+    with Engine(model, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=4, max_seq_len=128) as eng:
+        full = eng.generate([greedy(p, 0, new=30, ignore_eos=True)])[0]
+        text = full.text
+        assert len(text) > 8
+        stop = text[6:9]
+        cut = text.find(stop)
+        res = eng.generate([greedy(p, 1, new=30, ignore_eos=True, stop=[stop, "\x00never"])])[0]
+    assert res.finish_reason == "stop"
+    assert res.text == text[:cut]
+    assert res.output_ids == full.output_ids[:len(res.output_ids)] and len(res.output_ids) < 30
+
+
+def test_bad_requests_fail_alone(model, tokenizer):
+    ok = prompts(1, seed=6)[0]
+    with Engine(model, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=4, max_seq_len=64) as eng:
+        res = eng.generate([
+            greedy([5] * 64, "too-long"),
+            greedy(ok, "good"),
+            greedy([], "empty"),
+            greedy(ok, "adapter", adapter="nope"),
+            greedy([10**6], "vocab"),
+            GenerationRequest("temp", ok, SamplingParams(temperature=-1)),
+            GenerationRequest("zero", ok, SamplingParams(max_new_tokens=0)),
+        ])
+        near = eng.generate([greedy([5] * 60, "near-limit", new=50, ignore_eos=True)])[0]
+    by = {r.request_id: r for r in res}
+    assert by["good"].finish_reason in ("stop", "length") and by["good"].error is None
+    assert "64 tokens" in by["too-long"].error
+    for rid in ("too-long", "empty", "adapter", "vocab", "temp", "zero"):
+        assert by[rid].finish_reason == "error" and by[rid].error, rid
+    # A prompt near the context limit stops at the limit with "length" (64 - 60 + 1 tokens).
+    assert near.finish_reason == "length" and near.completion_tokens == 5
+
+
+def test_concurrent_submissions_share_one_batch(model, tokenizer):
+    ps = prompts(32, seed=7)
+    refs = {i: reference(model, p) for i, p in enumerate(ps[:3])}
+    results = {}
+    with Engine(model, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=64, max_seq_len=128) as eng:
+        barrier = threading.Barrier(len(ps))
+
+        def client(i):
+            barrier.wait()
+            results[i] = eng.submit(greedy(ps[i], i, new=NEW)).result(timeout=60)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(ps))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert eng.stats["max_running"] >= 16
+        assert eng.stats["decode_steps"] < 4 * NEW  # batched, not one request after another
+    assert len(results) == len(ps)
+    for i, ref in refs.items():
+        assert results[i].output_ids == ref
+
+
+def test_cancel_running_and_waiting(model, tokenizer):
+    with Engine(model, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=1, max_seq_len=1024) as eng:
+        long = eng.submit(greedy([5, 6, 7], "long", new=1000, ignore_eos=True))
+        waiting = eng.submit(greedy([5, 6, 7], "waiting", new=5))
+        deadline = time.time() + 30
+        while eng.stats["decode_steps"] < 5 and time.time() < deadline:
+            time.sleep(0.01)
+        eng.cancel("waiting")
+        eng.cancel("long")
+        r1 = long.result(timeout=30)
+        r2 = waiting.result(timeout=30)
+        after = eng.generate([greedy([5, 6, 7], "after", new=3, ignore_eos=True)])[0]
+    assert r1.finish_reason == "cancelled" and 0 < r1.completion_tokens < 1000
+    assert r2.finish_reason == "cancelled" and r2.completion_tokens == 0
+    assert after.finish_reason == "length" and after.completion_tokens == 3
+
+
+def test_memory_budget_bounds_the_cache(model, tokenizer):
+    with pytest.raises(ValueError, match="memory_budget_bytes"):
+        Engine(model, tokenizer, device="cpu", memory_budget_bytes=10_000, max_seq_len=128)
+    budget = 20 * MB
+    with Engine(model, tokenizer, device="cpu", memory_budget_bytes=budget, max_batch_size=10_000,
+                max_seq_len=1024) as eng:
+        s = eng.stats
+        assert 1 <= s["num_slots"] < 10_000
+        assert s["kv_cache_bytes"] + s["workspace_estimate_bytes"] <= budget
+        assert s["kv_cache_bytes"] == s["num_slots"] * 1024 * eng.kv_bytes_per_token
+
+
+def test_closed_engine_refuses(model, tokenizer):
+    eng = Engine(model, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=2, max_seq_len=64)
+    eng.close()
+    with pytest.raises(RuntimeError):
+        eng.submit(greedy([5, 6], "x"))
