@@ -48,9 +48,3 @@ async def wait_for(record_id: str, kind: str, *, store: RecordStore, client: aio
         raise APIError(504, f"The request did not finish within {timeout:.0f} s and was cancelled.",
                        code="timeout")
     return record
-
-
-def usage(record: dict) -> dict:
-    result = record.get("result") or {}
-    prompt, completion = result.get("prompt_tokens", 0), result.get("completion_tokens", 0)
-    return {"prompt": prompt, "completion": completion, "total": prompt + completion}

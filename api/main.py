@@ -5,7 +5,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from api import errors
-from api.routes import chat, files, fine_tuning, models, responses, workers
+from api.routes import batches, chat, files, fine_tuning, models, responses, workers
 from contract.queues import make_celery
 from contract.records import RecordStore
 from contract.redis_conn import async_client, sync_client
@@ -32,7 +32,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="xpu-jobs", version="0.1.0", lifespan=lifespan)
     errors.install(app)
-    for module in (files, fine_tuning, responses, chat, models, workers):
+    for module in (files, fine_tuning, batches, responses, chat, models, workers):
         app.include_router(module.router)
 
     @app.get("/health", include_in_schema=False)

@@ -17,6 +17,7 @@ ID_PREFIX = {
     "response": "resp_",
     "chat": "chatcmpl-",
     "batch": "batch_",
+    "batch_request": "batch_req_",
 }
 
 _CAS = """

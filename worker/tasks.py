@@ -5,7 +5,7 @@ Tasks are acked when they start (see contract.queues); the record and its lease 
 
 from celery.utils.log import get_task_logger
 
-from contract.queues import TASK_FINE_TUNE, TASK_INFERENCE
+from contract.queues import TASK_BATCH_CHUNK, TASK_FINE_TUNE, TASK_INFERENCE
 from worker.app import app, node
 
 log = get_task_logger(__name__)
@@ -23,3 +23,10 @@ def inference(kind: str, record_id: str) -> None:
     from worker.inference import run_request
 
     run_request(node(), kind, record_id)
+
+
+@app.task(name=TASK_BATCH_CHUNK)
+def batch_chunk(chunk_id: str) -> None:
+    from worker.batch import run_chunk
+
+    run_chunk(node(), chunk_id)

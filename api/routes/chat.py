@@ -5,23 +5,11 @@ from fastapi import APIRouter, Request
 
 from api.deps import CeleryDep, SettingsDep, StoreDep, TenantDep
 from api.errors import APIError
-from api.inference_service import submit, usage, wait_for
+from api.inference_service import submit, wait_for
+from contract.inference_outputs import chat_completion
 from contract.inference_requests import ChatCompletionCreate
 
 router = APIRouter(prefix="/v1/chat", tags=["chat"])
-
-
-def to_openai(record: dict) -> dict:
-    result = record["result"]
-    tokens = usage(record)
-    return {
-        "id": record["id"], "object": "chat.completion", "created": record["created_at"], "model": record["model"],
-        "system_fingerprint": None,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": result["text"], "refusal": None},
-                     "finish_reason": result["finish_reason"], "logprobs": None}],
-        "usage": {"prompt_tokens": tokens["prompt"], "completion_tokens": tokens["completion"],
-                  "total_tokens": tokens["total"]},
-    }
 
 
 @router.post("/completions")
@@ -34,4 +22,4 @@ async def create_chat_completion(body: ChatCompletionCreate, request: Request, t
         error = record.get("error") or {"message": f"The request ended {record['status']}.", "code": None}
         raise APIError(400 if error.get("code") in ("invalid_prompt", "unsupported_attention") else 500,
                        error["message"], code=error.get("code"))
-    return to_openai(record)
+    return chat_completion(record["id"], record["created_at"], record["model"], record["result"])

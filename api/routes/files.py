@@ -52,7 +52,8 @@ async def upload_file(file: UploadFile, purpose: Annotated[str, Form()], tenant:
                 out.write(chunk)
         if size == 0:
             raise invalid("The file is empty.", param="file")
-        _, errors = parse_jsonl(partial.read_bytes())
+        # Training files must be clean JSONL; a batch file's bad lines go to the batch's error file instead.
+        errors = parse_jsonl(partial.read_bytes())[1] if purpose == "fine-tune" else []
         if errors:
             raise invalid("The file is not valid JSONL: " + "; ".join(errors[:10]), param="file",
                           code="invalid_file_format")

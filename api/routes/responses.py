@@ -4,33 +4,18 @@ from fastapi import APIRouter, Request
 
 from api.deps import CeleryDep, RedisDep, SettingsDep, StoreDep, TenantDep
 from api.errors import APIError, not_found
-from api.inference_service import TERMINAL, submit, usage, wait_for
+from api.inference_service import TERMINAL, submit, wait_for
 from contract import events
+from contract import inference_outputs as outputs
 from contract.inference_requests import ResponseCreate
 
 router = APIRouter(prefix="/v1/responses", tags=["responses"])
 
 
 def to_openai(record: dict) -> dict:
-    result = record.get("result") or {}
-    output = []
-    if record["status"] in ("completed", "incomplete", "cancelled") and "text" in result:
-        output = [{"type": "message", "id": "msg_" + record["id"][5:], "status": "completed", "role": "assistant",
-                   "content": [{"type": "output_text", "text": result["text"], "annotations": []}]}]
-    tokens = usage(record)
-    request = record["request"]
-    return {
-        "id": record["id"], "object": "response", "created_at": record["created_at"], "status": record["status"],
-        "model": record["model"], "output": output, "background": record.get("background", False),
-        "error": record.get("error"), "incomplete_details": record.get("incomplete_details"),
-        "instructions": request.get("instructions"), "max_output_tokens": request.get("max_output_tokens"),
-        "temperature": request.get("temperature"), "top_p": request.get("top_p"),
-        "metadata": record.get("metadata") or {}, "parallel_tool_calls": False, "tool_choice": "none",
-        "tools": [], "text": {"format": {"type": "text"}},
-        "usage": ({"input_tokens": tokens["prompt"], "output_tokens": tokens["completion"],
-                   "total_tokens": tokens["total"], "input_tokens_details": {"cached_tokens": 0},
-                   "output_tokens_details": {"reasoning_tokens": 0}} if result else None),
-    }
+    return outputs.response(record["id"], record["created_at"], record["model"], record["status"],
+                            record.get("result"), record["request"], background=record.get("background", False),
+                            metadata=record.get("metadata"), error=record.get("error"))
 
 
 @router.post("")

@@ -1,0 +1,179 @@
+"""The Batch API: create (validated, split into chunks that workers run in parallel), retrieve, list, cancel,
+and the batch's event stream (extension)."""
+
+import json
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Header, Query
+from pydantic import BaseModel, Field
+
+from api.deps import CeleryDep, RedisDep, SettingsDep, StoreDep, TenantDep
+from api.errors import APIError, invalid, not_found
+from api.routes.files import get_file
+from contract import batches, events
+from contract.layout import file_path
+from contract.queues import TASK_BATCH_CHUNK, backend_queue, node_queue
+from contract.records import new_id, now
+from contract.registry import live_workers
+from contract.routing import NoCapableWorker, Requirement, choose_queue
+
+router = APIRouter(prefix="/v1/batches", tags=["batches"])
+
+WINDOW_SECONDS = 24 * 3600
+
+
+class BatchCreate(BaseModel):
+    input_file_id: str
+    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"]
+    completion_window: Literal["24h"]
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+
+
+def to_openai(store, record: dict) -> dict:
+    stamps = ("in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
+              "cancelling_at", "cancelled_at")
+    batch = {"id": record["id"], "object": "batch", "endpoint": record["endpoint"], "model": record.get("model"),
+             "input_file_id": record["input_file_id"], "completion_window": "24h", "status": record["status"],
+             "output_file_id": record.get("output_file_id"), "error_file_id": record.get("error_file_id"),
+             "created_at": record["created_at"], "errors": record.get("errors"), "metadata": record.get("metadata"),
+             **{k: record.get(k) for k in stamps}}
+    counted = record.get("n_chunks") is not None
+    batch["request_counts"] = batches.request_counts(store, record) if counted else \
+        {"total": 0, "completed": 0, "failed": 0}
+    batch["usage"] = record.get("usage") or (batches.usage(store, record) if counted else None)
+    return batch
+
+
+def _validation_errors(data: bytes) -> tuple[list[tuple[int, str]], list[str]]:
+    """(lines as (number, text), errors that make the file unusable as a whole)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return [], [f"the file is not UTF-8 text ({exc.reason} at byte {exc.start})"]
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    if not lines:
+        return [], ["the file holds no requests"]
+    parsed, problems, seen = 0, [], {}
+    for number, line in lines:
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            problems.append(f"line {number}: not valid JSON ({exc.msg})")
+            continue
+        parsed += 1
+        custom_id = obj.get("custom_id") if isinstance(obj, dict) else None
+        if isinstance(custom_id, str) and custom_id in seen:
+            return lines, [f"line {number}: custom_id '{custom_id}' repeats line {seen[custom_id]}"]
+        if isinstance(custom_id, str):
+            seen[custom_id] = number
+    return lines, (problems if not parsed else [])
+
+
+def _model_of(line: str) -> str | None:
+    try:
+        body = json.loads(line).get("body")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return body.get("model") if isinstance(body, dict) else None
+
+
+@router.post("")
+def create_batch(body: BatchCreate, tenant: TenantDep, settings: SettingsDep, store: StoreDep, celery: CeleryDep,
+                 redis: RedisDep, idempotency_key: Annotated[str | None, Header(max_length=256)] = None):
+    source = get_file(store, body.input_file_id, tenant, "input_file_id")
+    if source["purpose"] != "batch":
+        raise invalid(f"File '{body.input_file_id}' has purpose '{source['purpose']}', not 'batch'.",
+                      param="input_file_id")
+    try:
+        queue = choose_queue(live_workers(redis), Requirement())
+    except NoCapableWorker as exc:
+        raise APIError(400, str(exc), code="no_capable_worker") from None
+    # Chunks are dealt round-robin to the nodes of the chosen queue's backend, least busy first, so a large batch
+    # runs on several devices at once (a node's threads would otherwise reserve every chunk it could).
+    nodes = sorted((w for w in live_workers(redis) if queue in (backend_queue(w["backend"]), node_queue(w["node"]))),
+                   key=lambda w: len(w.get("current_jobs", [])))
+    chunk_queues = [node_queue(w["node"]) for w in nodes] or [queue]
+    created = now()
+    record = {"id": new_id("batch"), "tenant": tenant, "status": "validating", "endpoint": body.endpoint,
+              "input_file_id": body.input_file_id, "metadata": body.metadata, "created_at": created,
+              "expires_at": created + WINDOW_SECONDS, "queue": queue}
+    record, fresh = store.create("batch", record, idempotency_key)
+    if not fresh:
+        return to_openai(store, record)
+    batch_id = record["id"]
+    events.emit(redis, batch_id, "Validating input file", data={"status": "validating"})
+    lines, errors = _validation_errors(file_path(settings.artifact_root, tenant, body.input_file_id).read_bytes())
+    if errors:
+        data = [{"code": "invalid_request", "line": int(e.split(":")[0][5:]) if e.startswith("line ") else None,
+                 "message": e, "param": "input_file_id"} for e in errors]
+        store.update("batch", batch_id, {"status": "failed", "failed_at": now(),
+                                         "errors": {"object": "list", "data": data}})
+        events.emit(redis, batch_id, "Batch failed validation: " + "; ".join(errors[:5]), level="error",
+                    data={"status": "failed"})
+        return to_openai(store, store.get("batch", batch_id))
+
+    first_model = next(filter(None, (_model_of(text) for _, text in lines)), None)
+    size = settings.batch_chunk_lines
+    n_chunks = (len(lines) + size - 1) // size
+    for index in range(n_chunks):
+        store.create("chunk", {"id": batches.chunk_id(batch_id, index), "tenant": tenant, "batch_id": batch_id,
+                               "index": index, "start": index * size, "end": min(len(lines), (index + 1) * size),
+                               "status": "queued", "queue": chunk_queues[index % len(chunk_queues)],
+                               "attempts": 0, "created_at": created})
+    store.update("batch", batch_id, {"status": "in_progress", "in_progress_at": now(), "total": len(lines),
+                                     "n_chunks": n_chunks, "chunks_settled": 0, "model": first_model})
+    store.track("batch", batch_id)
+    events.emit(redis, batch_id, f"Batch in progress: {len(lines)} requests in {n_chunks} chunks",
+                data={"status": "in_progress"})
+    for index in range(n_chunks):
+        store.track("chunk", batches.chunk_id(batch_id, index))
+        celery.send_task(TASK_BATCH_CHUNK, args=[batches.chunk_id(batch_id, index)],
+                         queue=chunk_queues[index % len(chunk_queues)],
+                         task_id=f"{batches.chunk_id(batch_id, index)}-1")
+    return to_openai(store, store.get("batch", batch_id))
+
+
+@router.get("")
+def list_batches(tenant: TenantDep, store: StoreDep, after: str | None = None,
+                 limit: Annotated[int, Query(ge=1, le=100)] = 20):
+    records, has_more = store.page("batch", tenant, after, limit)
+    data = [to_openai(store, r) for r in records]
+    return {"object": "list", "data": data, "has_more": has_more,
+            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
+
+
+def get_batch(store, batch_id: str, tenant: str) -> dict:
+    record = store.get("batch", batch_id, tenant)
+    if record is None:
+        raise not_found("batch", batch_id)
+    return record
+
+
+@router.get("/{batch_id}")
+def retrieve_batch(batch_id: str, tenant: TenantDep, store: StoreDep):
+    return to_openai(store, get_batch(store, batch_id, tenant))
+
+
+@router.post("/{batch_id}/cancel")
+def cancel_batch(batch_id: str, tenant: TenantDep, settings: SettingsDep, store: StoreDep, redis: RedisDep):
+    record = get_batch(store, batch_id, tenant)
+    if record["status"] not in ("validating", "in_progress"):
+        raise APIError(409, f"Batch {batch_id} is {record['status']} and cannot be cancelled.",
+                       code="invalid_state")
+    if not store.transition("batch", batch_id, ["in_progress"], {"status": "cancelling", "cancelling_at": now()}):
+        return to_openai(store, get_batch(store, batch_id, tenant))
+    events.request_cancel(redis, batch_id)
+    events.emit(redis, batch_id, "Batch cancelling", data={"status": "cancelling"})
+    # Chunks not yet started never start; running ones stop at their next request and keep what finished.
+    for index in range(record["n_chunks"]):
+        if store.transition("chunk", batches.chunk_id(batch_id, index), ["queued"], {"status": "cancelled"}):
+            batches.chunk_settled(store, settings.artifact_root, batch_id)
+    return to_openai(store, get_batch(store, batch_id, tenant))
+
+
+@router.get("/{batch_id}/events")
+def list_batch_events(batch_id: str, tenant: TenantDep, store: StoreDep, redis: RedisDep,
+                      after: str | None = None, limit: Annotated[int, Query(ge=1, le=1000)] = 20):
+    get_batch(store, batch_id, tenant)
+    page, has_more = events.read_newest_first(redis, batch_id, after, limit)
+    return {"object": "list", "data": [{**e, "object": "batch.event"} for e in page], "has_more": has_more}

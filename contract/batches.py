@@ -1,0 +1,116 @@
+"""Batches: a batch record, its chunks (ranges of input lines that one worker task runs), and finalisation,
+which joins the chunks' output and error files in input order.
+
+Counts live on the chunks (a redone chunk resets its own), so the batch's request_counts are their sum and
+every line counts exactly once.
+"""
+
+import json
+import os
+from pathlib import Path
+
+from contract import events
+from contract.layout import file_path, job_dir
+from contract.records import RecordStore, new_id, now
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+SETTLED = ("completed", "cancelled")
+
+
+def chunk_id(batch_id: str, index: int) -> str:
+    return f"{batch_id}.{index:05d}"
+
+
+def chunk_files(root: Path, tenant: str, batch_id: str, index: int) -> tuple[Path, Path]:
+    base = job_dir(root, tenant, batch_id) / f"chunk-{index:05d}"
+    return base.with_suffix(".out.jsonl"), base.with_suffix(".err.jsonl")
+
+
+def write_atomically(path: Path, lines: list[str]) -> None:
+    """A redone chunk replaces its files whole, so no line is ever written twice."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    partial.write_text("".join(line + "\n" for line in lines))
+    os.replace(partial, path)
+
+
+def chunks(store: RecordStore, batch: dict) -> list[dict]:
+    return [store.get("chunk", chunk_id(batch["id"], i)) or {} for i in range(batch["n_chunks"])]
+
+
+def request_counts(store: RecordStore, batch: dict) -> dict:
+    if batch.get("request_counts_final"):
+        return batch["request_counts_final"]
+    parts = chunks(store, batch)
+    completed = sum(int(c.get("completed") or 0) for c in parts)
+    failed = sum(int(c.get("failed") or 0) for c in parts) + int(batch.get("failed_at_validation") or 0)
+    return {"total": batch.get("total", 0), "completed": completed, "failed": failed}
+
+
+def usage(store: RecordStore, batch: dict) -> dict:
+    parts = chunks(store, batch)
+    inp = sum(int(c.get("input_tokens") or 0) for c in parts)
+    out = sum(int(c.get("output_tokens") or 0) for c in parts)
+    return {"input_tokens": inp, "output_tokens": out, "total_tokens": inp + out,
+            "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+
+
+def _store_file(store: RecordStore, root: Path, tenant: str, name: str, parts: list[Path]) -> str | None:
+    data = b"".join(p.read_bytes() for p in parts if p.exists())
+    if not data:
+        return None
+    file_id = new_id("file")
+    path = file_path(root, tenant, file_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    store.create("file", {"id": file_id, "tenant": tenant, "bytes": len(data), "created_at": now(),
+                          "filename": name, "purpose": "batch_output"})
+    return file_id
+
+
+def chunk_settled(store: RecordStore, root: Path, batch_id: str) -> None:
+    """Called once per chunk that reaches a settled state; the last one finalises the batch."""
+    settled = store.incr("batch", batch_id, "chunks_settled")
+    batch = store.get("batch", batch_id)
+    if settled >= batch["n_chunks"]:
+        finalize(store, root, batch)
+
+
+def finalize(store: RecordStore, root: Path, batch: dict) -> None:
+    batch_id, tenant = batch["id"], batch["tenant"]
+    cancelling = batch["status"] == "cancelling"
+    if not cancelling and not store.transition("batch", batch_id, ["in_progress"],
+                                               {"status": "finalizing", "finalizing_at": now()}):
+        return
+    if not cancelling:
+        events.emit(store.redis, batch_id, "Batch finalizing", data={"status": "finalizing"})
+    files = [chunk_files(root, tenant, batch_id, i) for i in range(batch["n_chunks"])]
+    output = _store_file(store, root, tenant, f"{batch_id}_output.jsonl", [out for out, _ in files])
+    errors = _store_file(store, root, tenant, f"{batch_id}_error.jsonl", [err for _, err in files])
+    expired = any(c.get("expired") for c in chunks(store, batch))
+    status = "cancelled" if cancelling else ("expired" if expired else "completed")
+    fields = {"status": status, f"{status}_at": now(), "output_file_id": output, "error_file_id": errors,
+              "request_counts_final": request_counts(store, batch), "usage": usage(store, batch)}
+    if store.transition("batch", batch_id, ["cancelling", "finalizing"], fields):
+        events.emit(store.redis, batch_id, f"Batch {status}", data={"status": status})
+        store.untrack("batch", batch_id)
+
+
+def parse_line(line: str, number: int, endpoint: str) -> tuple[str | None, dict | None, str | None]:
+    """(custom_id, body, error) of one input line; error is None for a line that can be run."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return None, None, f"line {number}: not valid JSON ({exc.msg})"
+    if not isinstance(obj, dict):
+        return None, None, f"line {number}: expected a JSON object"
+    custom_id = obj.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return None, None, f"line {number}: custom_id must be a non-empty string"
+    if obj.get("method") != "POST":
+        return custom_id, None, f"line {number}: method must be POST"
+    if obj.get("url") != endpoint:
+        return custom_id, None, f"line {number}: url must be the batch's endpoint {endpoint}"
+    if not isinstance(obj.get("body"), dict):
+        return custom_id, None, f"line {number}: body must be an object"
+    return custom_id, obj["body"], None

@@ -1,0 +1,114 @@
+"""Runs one chunk of a batch: its input lines go to the generation engines together (lines may name different
+bases and adapters), results are written to the chunk's own output and error files, and the last chunk to
+settle finalises the batch."""
+
+import json
+import time
+from concurrent.futures import Future
+
+from pydantic import ValidationError
+
+from contract import batches, events
+from contract.inference_outputs import BUILDERS, response
+from contract.inference_requests import BODY_SCHEMAS
+from contract.layout import file_path
+from contract.records import new_id, now
+from worker.inference import RequestFailed, outcome, start
+from worker.node import Node
+
+POLL_SECONDS = 0.2
+
+
+def _error_line(custom_id: str | None, code: str, message: str) -> dict:
+    return {"id": new_id("batch_request"), "custom_id": custom_id, "response": None,
+            "error": {"code": code, "message": message}}
+
+
+def _body(endpoint: str, request_id: str, model: str, result: dict, request: dict) -> dict:
+    if endpoint == "/v1/responses":
+        return response(request_id, now(), model, "completed", result, request)
+    return BUILDERS[endpoint](request_id, now(), model, result)
+
+
+def run_chunk(node: Node, chunk_id: str) -> None:
+    store, redis, settings = node.store, node.redis, node.settings
+    chunk = store.get("chunk", chunk_id)
+    if chunk is None or not store.transition("chunk", chunk_id, ["queued"], {
+            "status": "in_progress", "node": node.name, "attempts": int(chunk.get("attempts") or 0) + 1,
+            "completed": 0, "failed": 0, "input_tokens": 0, "output_tokens": 0}):
+        return
+    node.job_started(chunk_id)
+    batch = store.get("batch", chunk["batch_id"])
+    batch_id, tenant, endpoint = batch["id"], batch["tenant"], batch["endpoint"]
+    text = file_path(settings.artifact_root, tenant, batch["input_file_id"]).read_text("utf-8")
+    numbered = [(n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    mine = numbered[chunk["start"]:chunk["end"]]
+
+    results: dict[int, dict] = {}  # position in chunk -> output or error line
+    failed_positions: set[int] = set()
+    pending: dict[int, tuple[str, dict, str, object, Future]] = {}
+    expired = now() > batch["expires_at"]
+
+    def fail(position: int, custom_id: str | None, code: str, message: str) -> None:
+        results[position] = _error_line(custom_id, code, message)
+        failed_positions.add(position)
+        store.incr("chunk", chunk_id, "failed")
+
+    for position, (number, line) in enumerate(mine):
+        custom_id, body, problem = batches.parse_line(line, number, endpoint)
+        if problem:
+            fail(position, custom_id, "invalid_request", problem)
+            continue
+        if expired:
+            fail(position, custom_id, "batch_expired", "The batch's completion window ended before this request ran.")
+            continue
+        try:
+            request = BODY_SCHEMAS[endpoint].model_validate(body).normal()
+            request_id = new_id("batch_request")
+            loaded, future = start(node, request_id, tenant, request)
+            pending[position] = (custom_id, request, request_id, loaded, future)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            fail(position, custom_id, "invalid_request",
+                 f"line {number}: {'.'.join(map(str, first['loc']))}: {first['msg']}")
+        except RequestFailed as exc:
+            fail(position, custom_id, exc.code, f"line {number}: {exc}")
+
+    cancelled = False
+    while pending:
+        if not cancelled and events.cancel_requested(redis, batch_id):
+            cancelled = True
+            for _, _, request_id, loaded, _ in pending.values():
+                loaded.engine.cancel(request_id)
+        for position in [p for p, entry in pending.items() if entry[4].done()]:
+            custom_id, request, request_id, _, future = pending.pop(position)
+            result = future.result()
+            if result.finish_reason == "cancelled":
+                continue  # unfinished when the batch was cancelled: neither output nor error
+            try:
+                done = outcome(result)
+            except RequestFailed as exc:
+                fail(position, custom_id, exc.code, str(exc))
+                continue
+            results[position] = {"id": new_id("batch_request"), "custom_id": custom_id, "error": None,
+                                 "response": {"status_code": 200, "request_id": request_id,
+                                              "body": _body(endpoint, request_id, request["model"], done,
+                                                            request)}}
+            store.incr("chunk", chunk_id, "completed")
+            store.incr("chunk", chunk_id, "input_tokens", done["prompt_tokens"])
+            store.incr("chunk", chunk_id, "output_tokens", done["completion_tokens"])
+        time.sleep(POLL_SECONDS if pending else 0)
+
+    out_path, err_path = batches.chunk_files(settings.artifact_root, tenant, batch_id, chunk["index"])
+    ordered = sorted(results)
+
+    batches.write_atomically(out_path, [json.dumps(results[p]) for p in ordered if p not in failed_positions])
+    batches.write_atomically(err_path, [json.dumps(results[p]) for p in ordered if p in failed_positions])
+    settled = store.transition("chunk", chunk_id, ["in_progress"], {
+        "status": "cancelled" if cancelled else "completed", "expired": expired, "finished_at": now()})
+    store.untrack("chunk", chunk_id)
+    node.job_finished(chunk_id)
+    if settled:
+        events.emit(redis, batch_id, f"Chunk {chunk['index'] + 1}/{batch['n_chunks']} done",
+                    data={"chunk": chunk["index"], "node": node.name})
+        batches.chunk_settled(store, settings.artifact_root, batch_id)
