@@ -411,7 +411,6 @@ def test_build_context_holds_what_the_dockerfiles_copy_and_nothing_private():
             sources = [a for a in args.split() if not a.startswith("--")][:-1]
             for source in sources:
                 assert _dockerignore_includes(source), f"{dockerfile}: .dockerignore leaves out {source}"
-                # README.md is pyproject.toml's readme: the build needs it as much as the packages.
-                assert (ROOT / source).exists() or source == "README.md", f"{dockerfile}: no {source}"
+                assert (ROOT / source).exists(), f"{dockerfile}: no {source}"
     for private in (".env", ".venv/bin/python", ".git/config", "data/artifacts/x", "tests/test_deploy.py"):
         assert not _dockerignore_includes(private), private
