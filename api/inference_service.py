@@ -1,6 +1,7 @@
 """Single inference requests (responses, chat completions): record, route, enqueue, and wait when synchronous."""
 
 import asyncio
+import time
 
 import redis.asyncio as aioredis
 from celery import Celery
@@ -40,7 +41,11 @@ def submit(kind: str, tenant: str, request: dict, *, settings: Settings, store: 
 async def wait_for(record_id: str, kind: str, *, store: RecordStore, client: aioredis.Redis,
                    timeout: float) -> dict:
     """Block (without holding a thread) until the worker says the request finished, then read it."""
-    got = await client.blpop([events.done_key(record_id)], timeout=timeout)
+    # Short BLPOPs in a loop: one long one would outlast the client's socket timeout (5 s by default).
+    deadline = time.monotonic() + timeout
+    got = None
+    while got is None and time.monotonic() < deadline:
+        got = await client.blpop([events.done_key(record_id)], timeout=max(0.01, min(1.0, deadline - time.monotonic())))
     record = await asyncio.to_thread(store.get, kind, record_id)
     if got is None and record["status"] not in TERMINAL:
         events.request_cancel(store.redis, record_id)
