@@ -44,7 +44,8 @@ def stack_env(stack_dir, redis_url) -> dict[str, str]:
         "XPUJOBS_MODELS_ROOT": str(models),
         "XPUJOBS_BASE_MODELS": json.dumps(["demo-tiny"]),
         "XPUJOBS_API_KEYS": json.dumps({KEY_A: "tenant-a", KEY_B: "tenant-b"}),
-        "XPUJOBS_DEVICE_BACKEND": "cpu",
+        # cpu everywhere by default; XPUJOBS_TEST_BACKEND=cuda (or xpu) runs the same suite on a GPU machine.
+        "XPUJOBS_DEVICE_BACKEND": os.environ.get("XPUJOBS_TEST_BACKEND", "cpu"),
         "XPUJOBS_LEASE_SECONDS": "4",
         "XPUJOBS_HEARTBEAT_SECONDS": "1",
         "XPUJOBS_MAX_UPLOAD_BYTES": str(256 * 1024),
