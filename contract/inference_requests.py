@@ -34,10 +34,12 @@ class Sampling(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = None
     attn_implementation: Attention = "sdpa"
+    # Extension (as in vLLM): keep generating past end-of-sequence until the token limit (benchmarks).
+    ignore_eos: bool = False
 
     def sampling(self) -> dict:
         return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
-                "attn_implementation": self.attn_implementation}
+                "attn_implementation": self.attn_implementation, "ignore_eos": self.ignore_eos}
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:
@@ -79,7 +81,7 @@ class ChatCompletionCreate(Sampling):
 
 class CompletionCreate(Sampling):
     model: str
-    prompt: str
+    prompt: str | list[int] = Field(description="text, or token ids as OpenAI's completions accept")
     max_tokens: int | None = Field(None, ge=1, le=32768)
     n: int = Field(1, ge=1, le=1)
     stop: str | list[str] | None = None

@@ -40,6 +40,8 @@ class Settings(BaseSettings):
     engine_memory_bytes: int = 4 * 1024**3
     # Most requests one engine decodes together.
     engine_max_batch_size: int = 256
+    # Longest sequence (prompt + output) the engine's cache holds per request (capped by the model's context).
+    engine_max_seq_len: int = 4096
     # Threads of a worker node: concurrent inference requests it accepts and batches together.
     worker_concurrency: int = 16
 

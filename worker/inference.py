@@ -60,11 +60,12 @@ class ModelCache:
             while self._models and sum(m.nbytes for m in self._models.values()) + nbytes > \
                     self.settings.model_cache_bytes:
                 self._models.popitem(last=False)[1].engine.close()
+            context = getattr(model.config, "max_position_embeddings", None)
             engine = Engine(model, tokenizer, device=devices.torch_device(self.backend),
                             memory_budget_bytes=self.settings.engine_memory_bytes,
-                            max_batch_size=self.settings.engine_max_batch_size)
-            loaded = self._models[key] = LoadedModel(engine, tokenizer,
-                                                     getattr(model.config, "max_position_embeddings", None), nbytes)
+                            max_batch_size=self.settings.engine_max_batch_size,
+                            max_seq_len=min(self.settings.engine_max_seq_len, context or 1 << 30))
+            loaded = self._models[key] = LoadedModel(engine, tokenizer, context, nbytes)
             return loaded
 
     @staticmethod
@@ -105,7 +106,9 @@ def adapter_of(tenant: str, ref, settings: Settings) -> tuple[str, Path] | None:
 
 
 def prompt_ids(tokenizer, request: dict) -> list[int]:
-    if "prompt" in request:  # /v1/completions: raw text, no chat template
+    if "prompt" in request:  # /v1/completions: raw text or token ids, no chat template
+        if isinstance(request["prompt"], list):
+            return request["prompt"]
         return tokenizer(request["prompt"], add_special_tokens=False)["input_ids"]
     return tokenizer.apply_chat_template(request["messages"], add_generation_prompt=True, tokenize=True,
                                          return_dict=True)["input_ids"]
@@ -131,7 +134,7 @@ def start(node: Node, request_id: str, tenant: str, request: dict) -> tuple[Load
     params = SamplingParams(max_new_tokens=request["max_tokens"],
                             temperature=1.0 if temperature is None else temperature,
                             top_p=request.get("top_p") or 1.0, seed=request.get("seed"),
-                            stop=list(request.get("stop") or []))
+                            stop=list(request.get("stop") or []), ignore_eos=bool(request.get("ignore_eos")))
     future = loaded.engine.submit(GenerationRequest(request_id, ids, params, adapter[0] if adapter else None))
     return loaded, future
 
