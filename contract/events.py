@@ -81,8 +81,12 @@ def lease_holder(client: redis.Redis, job_id: str) -> str | None:
     return client.get(lease_key(job_id))
 
 
-def release_lease(client: redis.Redis, job_id: str) -> None:
-    client.delete(lease_key(job_id))
+_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+def release_lease(client: redis.Redis, job_id: str, holder: str) -> None:
+    """Drop the lease only if `holder` still holds it: a requeued job's new holder keeps its own."""
+    client.eval(_RELEASE, 1, lease_key(job_id), holder)
 
 
 def done_key(request_id: str) -> str:

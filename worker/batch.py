@@ -33,11 +33,10 @@ def _body(endpoint: str, request_id: str, model: str, result: dict, request: dic
 def run_chunk(node: Node, chunk_id: str) -> None:
     store, redis, settings = node.store, node.redis, node.settings
     chunk = store.get("chunk", chunk_id)
-    if chunk is None or not store.transition("chunk", chunk_id, ["queued"], {
+    if chunk is None or not node.claim("chunk", chunk_id, {
             "status": "in_progress", "node": node.name, "attempts": int(chunk.get("attempts") or 0) + 1,
             "completed": 0, "failed": 0, "input_tokens": 0, "output_tokens": 0}):
         return
-    node.job_started(chunk_id)
     batch = store.get("batch", chunk["batch_id"])
     batch_id, tenant, endpoint = batch["id"], batch["tenant"], batch["endpoint"]
     text = file_path(settings.artifact_root, tenant, batch["input_file_id"]).read_text("utf-8")

@@ -30,10 +30,8 @@ def run_fine_tune(node: Node, celery: Celery, job_id: str) -> None:
         return
     try:
         attempt = int(record.get("attempts") or 0) + 1
-        if not store.transition("ftjob", job_id, ["queued"], {"status": "running", "attempts": attempt,
-                                                              "node": node.name}):
+        if not node.claim("ftjob", job_id, {"status": "running", "attempts": attempt, "node": node.name}):
             return
-        node.job_started(job_id)
         events.emit(redis, job_id, f"Fine-tuning job started on {node.name} (attempt {attempt})",
                     data={"status": "running", "node": node.name})
         outcome = _train_in_child(node, job_id)

@@ -89,11 +89,26 @@ class ModelCache:
             loaded.adapters.add(name)
 
 
+    def report(self) -> dict:
+        """What the registry shows of this node's loaded models and their engines."""
+        with self._lock:
+            items = list(self._models.items())
+        return {"models": [{"model": base, "attn_implementation": attn, "adapters": sorted(m.adapters),
+                            "engine": {k: m.engine.stats.get(k) for k in
+                                       ("path", "max_running", "decode_steps", "completed", "errors")}}
+                           for (base, attn), m in items]}
+
+
 _caches: dict[str, ModelCache] = {}
+_caches_lock = threading.Lock()
 
 
 def cache_for(node: Node) -> ModelCache:
-    return _caches.setdefault(node.name, ModelCache(node.settings, node.backend))
+    with _caches_lock:
+        if node.name not in _caches:
+            _caches[node.name] = ModelCache(node.settings, node.backend)
+            node.reporters.append(_caches[node.name].report)
+        return _caches[node.name]
 
 
 def adapter_of(tenant: str, ref, settings: Settings) -> tuple[str, Path] | None:
@@ -161,10 +176,8 @@ def run_request(node: Node, kind: str, record_id: str) -> None:
     """One live request (a response or a chat completion) from its record to its result."""
     store, redis = node.store, node.redis
     record = store.get(kind, record_id)
-    if record is None or not store.transition(kind, record_id, ["queued"], {"status": "in_progress",
-                                                                             "node": node.name}):
+    if record is None or not node.claim(kind, record_id, {"status": "in_progress", "node": node.name}):
         return
-    node.job_started(record_id)
     started = time.monotonic()
     try:
         loaded, future = start(node, record_id, record["tenant"], record["request"])

@@ -3,6 +3,7 @@
 import os
 import threading
 import time
+from typing import Callable
 
 from contract import events, registry
 from contract.records import RecordStore
@@ -23,6 +24,7 @@ class Node:
         self.started_at = int(time.time())
         self.current_jobs: set[str] = set()
         self.training_slot = threading.Lock()  # one fine-tune at a time per device group
+        self.reporters: list[Callable[[], dict]] = []  # more to publish in the registry (loaded models)
         self._stop = threading.Event()
         self._lock = threading.Lock()
 
@@ -34,17 +36,24 @@ class Node:
             "devices": self.devices, "bf16": devices.bf16_supported(self.backend),
             "current_jobs": jobs, "current_job": jobs[0] if jobs else None, "pid": os.getpid(),
             "started_at": self.started_at,
-        }
+        } | {k: v for report in self.reporters for k, v in report().items()}
 
-    def job_started(self, job_id: str) -> None:
+    def claim(self, kind: str, record_id: str, fields: dict) -> bool:
+        """Take a queued record: the lease is held before the status says running, so the reconciler never
+        sees a running record without one."""
         with self._lock:
-            self.current_jobs.add(job_id)
-        self.heartbeat()
+            self.current_jobs.add(record_id)
+        events.refresh_lease(self.redis, record_id, self.name, self.settings.lease_seconds)
+        if self.store.transition(kind, record_id, ["queued"], fields):
+            self.heartbeat()
+            return True
+        self.job_finished(record_id)
+        return False
 
     def job_finished(self, job_id: str) -> None:
         with self._lock:
             self.current_jobs.discard(job_id)
-        events.release_lease(self.redis, job_id)
+        events.release_lease(self.redis, job_id, self.name)
         self.heartbeat()
 
     def heartbeat(self) -> None:
