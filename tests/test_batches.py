@@ -10,10 +10,10 @@ from test_fine_tune_e2e import ANSWER, QUESTION, training_jsonl
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 
 
-def chat_line(custom_id: str, model: str, content: str = QUESTION, max_tokens: int = 16) -> str:
+def chat_line(custom_id: str, model: str, content: str = QUESTION, max_tokens: int = 16, **extra) -> str:
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
                        "body": {"model": model, "messages": [{"role": "user", "content": content}],
-                                "max_tokens": max_tokens, "temperature": 0}})
+                                "max_tokens": max_tokens, "temperature": 0, **extra}})
 
 
 def run_batch(client, lines: list[str], endpoint: str = "/v1/chat/completions"):
@@ -90,7 +90,9 @@ def test_responses_and_completions_endpoints(client_a):
 
 def test_large_batch_in_chunks_keeps_order_and_counts_move(client_a):
     n = 150  # three chunks of the suite's 64 lines
-    lines = [chat_line(f"req-{i}", "demo-tiny", content=f"Count {i}", max_tokens=64) for i in range(n)]
+    # Lengths differ, so requests finish one after another and the counts can be seen moving.
+    lines = [chat_line(f"req-{i}", "demo-tiny", content=f"Count {i}", max_tokens=8 + 2 * i, ignore_eos=True)
+             for i in range(n)]
     upload = client_a.files.create(file=("big.jsonl", "\n".join(lines).encode()), purpose="batch")
     batch = client_a.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
                                     completion_window="24h")
@@ -98,7 +100,7 @@ def test_large_batch_in_chunks_keeps_order_and_counts_move(client_a):
     deadline = time.monotonic() + 300
     while (current := client_a.batches.retrieve(batch.id)).status not in TERMINAL and time.monotonic() < deadline:
         seen_counts.add(current.request_counts.completed)
-        time.sleep(0.2)
+        time.sleep(0.05)
     assert current.status == "completed"
     assert current.request_counts.completed == n
     assert len(seen_counts) > 1, "request_counts did not move while the batch ran"
