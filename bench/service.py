@@ -88,7 +88,9 @@ class Stack:
             if self.proc.poll() is not None:
                 break
             time.sleep(0.5)
-        raise RuntimeError(f"the stack did not come up; see {self.dir / 'stack.log'}")
+        self.log.flush()
+        tail = (self.dir / "stack.log").read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"the stack did not come up; the end of {self.dir / 'stack.log'}:\n{tail}")
 
     def close(self):
         os.killpg(self.proc.pid, 15)
