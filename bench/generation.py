@@ -216,7 +216,7 @@ def _engine(ctx) -> Engine:
         t = time.perf_counter()
         ctx["engine"] = Engine(ctx["model"], ctx["tokenizer"], device=str(ctx["dev"].device),
                                memory_budget_bytes=int(a.engine_memory_gib * GiB), max_batch_size=a.engine_batch,
-                               max_seq_len=max_len, attention=a.engine_attention)
+                               max_seq_len=max_len, kernels=a.engine_kernels)
         ctx["engine_init_seconds"] = time.perf_counter() - t
     return ctx["engine"]
 
@@ -300,12 +300,12 @@ def gpu_check(device: str) -> dict:
     for attention in ("torch", "triton"):
         try:
             with Engine(model, tok, device=device, memory_budget_bytes=2 * GiB, max_batch_size=8,
-                        max_seq_len=256, attention=attention) as eng:
+                        max_seq_len=256, kernels=attention) as eng:
                 res = eng.generate([GenerationRequest(str(i), p, SamplingParams(max_new_tokens=24, temperature=0))
                                     for i, p in enumerate(prompts)])
                 out[f"engine_{attention}_matches_generate"] = sum(r.output_ids == ref for r, ref in zip(res, refs))
                 out[f"engine_{attention}_graphs"] = eng.stats["graphs_captured"]
-                out[f"engine_{attention}_attention_used"] = eng.stats["attention"]
+                out[f"engine_{attention}_kernels_used"] = eng.stats["kernels"]
         except Exception as e:
             out[f"engine_{attention}_error"] = f"{type(e).__name__}: {e}"
     out["requests"] = len(prompts)
@@ -344,7 +344,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     ap.add_argument("--engine-memory-gib", type=float, default=24.0, help="the engine's KV cache + workspace budget")
     ap.add_argument("--engine-batch", type=int, default=256)
-    ap.add_argument("--engine-attention", default="auto", choices=["auto", "torch", "triton"])
+    ap.add_argument("--engine-kernels", default="auto", choices=["auto", "torch", "triton"],
+                    help="the engine's decode attention + fused norms: triton (default on cuda/xpu) or torch ops")
     ap.add_argument("--check", action="store_true", help="first compare the engine with generate on this device")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)

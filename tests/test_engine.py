@@ -141,13 +141,15 @@ def test_mixed_lora_batch_matches_each_adapter_alone(tiny_dir, tokenizer, adapte
         assert r.output_ids == ref, (n, r.output_ids, ref)
 
 
-def test_update_model_wraps_base_in_peft(tiny_dir, tokenizer, adapter_dirs):
+@pytest.mark.parametrize("native", [True, False], ids=["native", "hf-fallback"])
+def test_update_model_wraps_base_in_peft(tiny_dir, tokenizer, adapter_dirs, native):
     from peft import PeftModel
 
     base = load(tiny_dir)
     p = prompts(1, seed=3)[0]
     base_ref = reference(base, p)
-    with Engine(base, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=4, max_seq_len=128) as eng:
+    with Engine(base, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=4, max_seq_len=128,
+                native=native) as eng:
         assert eng.generate([greedy(p, 0)])[0].output_ids == base_ref
         bad = eng.generate([greedy(p, 1, adapter="alpha")])[0]
         assert bad.finish_reason == "error" and "alpha" in bad.error

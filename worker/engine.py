@@ -12,9 +12,21 @@ step, whatever the batch size, so the device idles. This engine does the per-ste
   step k+1 (a one-step lag), so the device is kept busy. LoRA adapters (PEFT) are applied per request inside the
   same batch: every adapter's A and B matrices are stacked per projection and a per-slot mask selects the
   adapter's rank columns, i.e. delta = ((x @ A_all^T) * mask) @ (scaling * B_all)^T.
+  On cuda/xpu with triton installed (kernels="auto"/"triton"), worker/engine_triton.py supplies a decode
+  attention kernel that reads only each row's own cache length (so one graph per batch size suffices) and fused
+  RMSNorm / q-k norm + RoPE / SiLU*up kernels; on cpu (and with kernels="torch") plain torch ops that reproduce
+  transformers' arithmetic exactly. If the Triton kernels or graph capture fail on a machine, the engine logs it
+  and falls back (stats["kernels_error"], stats["graphs_error"]).
 * Fallback path (any other causal LM, or adapters the native path does not understand, e.g. DoRA): the model's
   own forward with a DynamicCache, requests batched in "cohorts" that join between steps; PEFT's mixed-batch
   `adapter_names=[...]` selects adapters per row. Correct, but host-bound like `generate`.
+
+Memory: the KV cache (num_slots x max_seq_len tokens) plus an estimate of the workspace (logits, prefill and
+decode activations, sampling temporaries, stacked LoRA) is fitted into memory_budget_bytes at construction:
+num_slots = min(max_batch_size, what fits); a budget that cannot hold one max_seq_len request raises ValueError.
+Nothing grows afterwards except transient activations, which the estimate covers (the benchmark reports the
+measured peak: stats["peak_memory_bytes"]). max_seq_len (prompt + completion) defaults to
+min(max_position_embeddings, 4096); prompts must be shorter, and a completion that reaches it ends with "length".
 
 Sampling is per request: temperature 0 is greedy (argmax, the same tokens as `generate(do_sample=False)`);
 otherwise temperature + top_p, drawn with counter-based noise from (seed, token index, vocabulary index), so a
@@ -134,20 +146,31 @@ def sample_tokens(logits: torch.Tensor, temperature: list[float], top_p: list[fl
     vocab = torch.arange(logits.shape[-1], device=dev, dtype=torch.int64)
     for i in range(0, logits.shape[0], _SAMPLE_CHUNK):
         sl = slice(i, i + _SAMPLE_CHUNK)
-        t = torch.tensor(temperature[sl], device=dev, dtype=torch.float32)[:, None]
+        t = _to_device(temperature[sl], torch.float32, dev)[:, None]
         probs = torch.softmax(logits[sl].float() / t, dim=-1)
         tp = top_p[sl]
         if any(p < 1.0 for p in tp):
             sp, idx = probs.sort(dim=-1, descending=True)
             before = sp.cumsum(dim=-1) - sp  # mass of the more likely tokens
-            cut = before >= torch.tensor(tp, device=dev, dtype=torch.float32)[:, None]
+            cut = before >= _to_device(tp, torch.float32, dev)[:, None]
             probs = torch.zeros_like(probs).scatter_(-1, idx, sp.masked_fill(cut, 0.0))
-        keys = torch.tensor([_row_key(s, k) for s, k in zip(seeds[sl], steps[sl])], device=dev,
-                            dtype=torch.int64)
+        keys = _to_device([_row_key(s, k) for s, k in zip(seeds[sl], steps[sl])], torch.int64, dev)
         h = _mix32(keys[:, None] ^ vocab[None, :])
         u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
         out.append(torch.argmax(probs / (-torch.log(u)), dim=-1))
     return torch.cat(out)
+
+
+def _to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device without a pageable copy (which would wait for all queued device work)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return t
+    try:
+        t = t.pin_memory()
+    except Exception:
+        pass
+    return t.to(device, non_blocking=True)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -385,7 +408,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, *, device: str, memory_budget_bytes: int, max_batch_size: int = 256,
                  use_graphs: bool | None = None, max_seq_len: int | None = None, prefill_tokens: int | None = None,
-                 native: bool | None = None, attention: str = "auto"):
+                 native: bool | None = None, kernels: str = "auto"):
         self.device = torch.device(device)
         self.backend = self.device.type
         if self.backend not in ("cpu", "cuda", "xpu"):
@@ -397,13 +420,14 @@ class Engine:
         self.max_batch_size = int(max_batch_size)
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
+        self._want_graphs = use_graphs
         self.use_graphs = _graphs_available(self.backend) if use_graphs is None else bool(use_graphs)
         if self.use_graphs and not _graphs_available(self.backend):
             raise ValueError(f"use_graphs=True but torch {torch.__version__} has no graphs for {self.backend}")
         self._want_native = native
-        if attention not in ("auto", "torch", "triton"):
-            raise ValueError("attention must be 'auto', 'torch' or 'triton'")
-        self._want_attention = attention
+        if kernels not in ("auto", "torch", "triton"):
+            raise ValueError("kernels must be 'auto', 'torch' or 'triton'")
+        self._want_attention = kernels
         self._tri = None
         self._requested_max_seq_len = max_seq_len
         self.prefill_tokens = int(prefill_tokens or (8192 if self.backend != "cpu" else 2048))
@@ -492,7 +516,9 @@ class Engine:
                 self._setup_hf(el)
 
     def _choose_attention(self) -> None:
-        """'triton': one kernel that reads each row's own length (cuda/xpu, triton installed); else 'torch'."""
+        """kernels='triton' (the default on cuda/xpu when triton imports): decode attention that reads each row's
+        own length, and fused RMSNorm / q-k norm + RoPE / SiLU*up (worker/engine_triton.py); else plain torch ops
+        (always on cpu, where they reproduce transformers' arithmetic exactly)."""
         want = self._want_attention
         self._tri = None
         if want in ("auto", "triton"):
@@ -500,7 +526,8 @@ class Engine:
             try:
                 from worker import engine_triton
 
-                if not engine_triton.supported(self.nat.head_dim, self.nat.hq // self.nat.hkv):
+                if not (engine_triton.supported(self.nat.head_dim, self.nat.hq // self.nat.hkv)
+                        and engine_triton.fused_supported(self.nat.head_dim, getattr(self.nat.cfg, "hidden_act", ""))):
                     why = f"head_dim {self.nat.head_dim} is not a power of two >= 16"
                 elif self.backend == "cpu" and want == "auto":
                     why = "cpu"
@@ -509,9 +536,9 @@ class Engine:
             except Exception as e:  # no triton
                 why = f"{type(e).__name__}: {e}"
             if want == "triton" and self._tri is None:
-                raise ValueError(f"attention='triton' is unavailable: {why}")
+                raise ValueError(f"kernels='triton' is unavailable: {why}")
         self.attention = "triton" if self._tri is not None else "torch"
-        self.stats["attention"] = self.attention
+        self.stats["kernels"] = self.attention
 
     def _workspace_estimate(self, slots: int, el: int) -> int:
         n = self.nat
@@ -874,7 +901,7 @@ class Engine:
         toks = torch.argmax(logits, dim=-1) if greedy is None else greedy
         samp = [(i, s, k) for (i, s), k in zip(seqs, steps) if s.temperature > 0]
         if samp:
-            rows = torch.tensor([i for i, _, _ in samp], device=logits.device)
+            rows = _to_device([i for i, _, _ in samp], torch.int64, logits.device)
             drawn = sample_tokens(logits.index_select(0, rows).float(), [s.temperature for _, s, _ in samp],
                                   [s.top_p for _, s, _ in samp], [s.seed for _, s, _ in samp],
                                   [k for _, _, k in samp])
@@ -895,6 +922,8 @@ class Engine:
                          last: torch.Tensor | None) -> torch.Tensor | None:
         """Prompt tokens ids [n, L] at positions start..start+L-1 of cache slots `slots`; writes the KV cache.
         Returns float32 logits [n, V] at positions `last` (indices into L), or None."""
+        if self._tri is not None:
+            return self._prefill_forward_fused(ids, slots, start, last)
         n, L = ids.shape
         nat = self.nat
         hq, hkv, d = nat.hq, nat.hkv, nat.head_dim
@@ -944,9 +973,61 @@ class Engine:
         xl = x[torch.arange(n, device=x.device), last]
         return F.linear(_rms(xl, nat.norm, nat.eps), nat.lm_head, nat.lm_bias).float()
 
+    def _prefill_forward_fused(self, ids: torch.Tensor, slots: torch.Tensor, start: int,
+                               last: torch.Tensor | None) -> torch.Tensor | None:
+        """_prefill_forward with the Triton kernels (token-major layout, no transposes before the cache write)."""
+        nat, tri = self.nat, self._tri
+        n, L = ids.shape
+        T = n * L
+        hq, hkv, d = nat.hq, nat.hkv, nat.head_dim
+        Lmax = self.max_seq_len
+        positions = start + self.len_ar[:L]
+        pos_tok = positions.repeat(n)
+        x = F.embedding(ids.reshape(T), nat.embed)
+        h = tri.rms_norm(x, nat.layers[0].ln1, nat.eps)
+        mask = self.lora_mask.index_select(0, slots).repeat_interleave(L, dim=0) if nat.lora_rank else None
+        idx = ((slots[:, None, None] * hkv + self.head_ar[None, None, :]) * Lmax
+               + positions[None, :, None]).reshape(-1)
+        attn_mask = None
+        if start > 0:
+            attn_mask = self.len_ar[:start + L][None, :] <= positions[:, None]
+        n_layers = len(nat.layers)
+        for li, layer in enumerate(nat.layers):
+            kc = self.cache[li, 0]
+            vc = self.cache[li, 1]
+            q = tri.norm_rope(self._lin(h, layer.lin["q_proj"], mask).view(T, hq, d), layer.q_norm, self.cos,
+                              self.sin, pos_tok, nat.eps)
+            k = tri.norm_rope(self._lin(h, layer.lin["k_proj"], mask).view(T, hkv, d), layer.k_norm, self.cos,
+                              self.sin, pos_tok, nat.eps)
+            v = self._lin(h, layer.lin["v_proj"], mask).view(T, hkv, d)
+            kc.view(-1, d).index_copy_(0, idx, k.view(-1, d))
+            vc.view(-1, d).index_copy_(0, idx, v.view(-1, d))
+            q4 = q.view(n, L, hq, d).transpose(1, 2)
+            if start == 0:
+                a = F.scaled_dot_product_attention(q4, k.view(n, L, hkv, d).transpose(1, 2),
+                                                   v.view(n, L, hkv, d).transpose(1, 2), is_causal=L > 1,
+                                                   scale=nat.scaling, enable_gqa=hq != hkv)
+            else:
+                a = F.scaled_dot_product_attention(q4, kc[slots, :, :start + L], vc[slots, :, :start + L],
+                                                   attn_mask=attn_mask, scale=nat.scaling, enable_gqa=hq != hkv)
+            a = a.transpose(1, 2).reshape(T, hq * d)
+            x, h = tri.rms_norm(x, layer.ln2, nat.eps, residual=self._lin(a, layer.lin["o_proj"], mask))
+            g = tri.silu_mul(self._lin(h, layer.lin["gate_proj"], mask), self._lin(h, layer.lin["up_proj"], mask))
+            down = self._lin(g, layer.lin["down_proj"], mask)
+            if li + 1 < n_layers:
+                x, h = tri.rms_norm(x, nat.layers[li + 1].ln1, nat.eps, residual=down)
+            else:
+                x = x + down
+        if last is None:
+            return None
+        xl = x.view(n, L, -1)[torch.arange(n, device=x.device), last]
+        return F.linear(tri.rms_norm(xl, nat.norm, nat.eps), nat.lm_head, nat.lm_bias).float()
+
     def _decode_body(self, B: int, Lb: int) -> None:
         """One decode step for slots [0, B): reads ids_buf/pos_buf, writes the KV cache, logits_buf and next_buf.
         Side effects other than those outputs are idempotent, so warm-up runs before a capture are harmless."""
+        if self._tri is not None:
+            return self._decode_body_fused(B)
         nat = self.nat
         hq, hkv, d = nat.hq, nat.hkv, nat.head_dim
         G = hq // hkv
@@ -956,13 +1037,9 @@ class Engine:
         cos = self.cos[pos][:, None, :]
         sin = self.sin[pos][:, None, :]
         idx = ((self.slot_ar[:B, None] * hkv + self.head_ar[None, :]) * Lmax + pos[:, None]).reshape(-1)
-        tri = self._tri
-        if tri is not None:
-            lens = pos + 1
-        else:
-            valid = self.len_ar[:Lb][None, :] <= pos[:, None]
-            addmask = torch.zeros(B, Lb, dtype=x.dtype, device=x.device).masked_fill(~valid, float("-inf"))
-            addmask = addmask[:, None, None, :]
+        valid = self.len_ar[:Lb][None, :] <= pos[:, None]
+        addmask = torch.zeros(B, Lb, dtype=x.dtype, device=x.device).masked_fill(~valid, float("-inf"))
+        addmask = addmask[:, None, None, :]
         mask = self.lora_mask[:B] if nat.lora_rank else None
         for li, layer in enumerate(nat.layers):
             kc = self.cache[li, 0]
@@ -979,15 +1056,12 @@ class Engine:
             kc.view(-1, d).index_copy_(0, idx, k.reshape(-1, d))
             vc.view(-1, d).index_copy_(0, idx, v.reshape(-1, d))
             qg = q.view(B, hkv, G, d)  # the query heads of one KV head share its keys: no repeat_kv copy
-            if tri is not None:
-                a = tri.decode_attention(qg, kc, vc, lens, nat.scaling).reshape(B, hq * d)
-            else:
-                K = kc[:B, :, :Lb].reshape(B * hkv, Lb, d)
-                V = vc[:B, :, :Lb].reshape(B * hkv, Lb, d)
-                s = torch.bmm(qg.reshape(B * hkv, G, d), K.transpose(1, 2)).view(B, hkv, G, Lb)
-                s = s * nat.scaling + addmask
-                p = torch.softmax(s, dim=-1, dtype=torch.float32).to(x.dtype)
-                a = torch.bmm(p.view(B * hkv, G, Lb), V).reshape(B, hq * d)
+            K = kc[:B, :, :Lb].reshape(B * hkv, Lb, d)
+            V = vc[:B, :, :Lb].reshape(B * hkv, Lb, d)
+            s = torch.bmm(qg.reshape(B * hkv, G, d), K.transpose(1, 2)).view(B, hkv, G, Lb)
+            s = s * nat.scaling + addmask
+            p = torch.softmax(s, dim=-1, dtype=torch.float32).to(x.dtype)
+            a = torch.bmm(p.view(B * hkv, G, Lb), V).reshape(B, hq * d)
             x = x + self._lin(a, layer.lin["o_proj"], mask)
             h = _rms(x, layer.ln2, nat.eps)
             g = nat.act(self._lin(h, layer.lin["gate_proj"], mask)) * self._lin(h, layer.lin["up_proj"], mask)
@@ -998,6 +1072,41 @@ class Engine:
             torch.mm(xn, nat.lm_head.t(), out=out)
         else:
             torch.addmm(nat.lm_bias, xn, nat.lm_head.t(), out=out)
+        torch.argmax(out, dim=-1, out=self.next_buf[:B])
+
+    def _decode_body_fused(self, B: int) -> None:
+        """_decode_body with the Triton kernels: ~15 kernels a layer instead of ~50."""
+        nat, tri = self.nat, self._tri
+        hq, hkv, d = nat.hq, nat.hkv, nat.head_dim
+        G = hq // hkv
+        Lmax = self.max_seq_len
+        pos = self.pos_buf[:B].clamp(max=Lmax - 1)
+        lens = pos + 1
+        x = F.embedding(self.ids_buf[:B], nat.embed)
+        h = tri.rms_norm(x, nat.layers[0].ln1, nat.eps)
+        idx = ((self.slot_ar[:B, None] * hkv + self.head_ar[None, :]) * Lmax + pos[:, None]).reshape(-1)
+        mask = self.lora_mask[:B] if nat.lora_rank else None
+        n_layers = len(nat.layers)
+        for li, layer in enumerate(nat.layers):
+            kc = self.cache[li, 0]
+            vc = self.cache[li, 1]
+            q = tri.norm_rope(self._lin(h, layer.lin["q_proj"], mask).view(B, hq, d), layer.q_norm, self.cos,
+                              self.sin, pos, nat.eps)
+            k = tri.norm_rope(self._lin(h, layer.lin["k_proj"], mask).view(B, hkv, d), layer.k_norm, self.cos,
+                              self.sin, pos, nat.eps)
+            v = self._lin(h, layer.lin["v_proj"], mask)
+            kc.view(-1, d).index_copy_(0, idx, k.view(-1, d))
+            vc.view(-1, d).index_copy_(0, idx, v.view(-1, d))
+            a = tri.decode_attention(q.view(B, hkv, G, d), kc, vc, lens, nat.scaling).view(B, hq * d)
+            x, h = tri.rms_norm(x, layer.ln2, nat.eps, residual=self._lin(a, layer.lin["o_proj"], mask))
+            g = tri.silu_mul(self._lin(h, layer.lin["gate_proj"], mask), self._lin(h, layer.lin["up_proj"], mask))
+            w_next = nat.layers[li + 1].ln1 if li + 1 < n_layers else nat.norm
+            x, h = tri.rms_norm(x, w_next, nat.eps, residual=self._lin(g, layer.lin["down_proj"], mask))
+        out = self.logits_buf[:B]
+        if nat.lm_bias is None:
+            torch.mm(h, nat.lm_head.t(), out=out)
+        else:
+            torch.addmm(nat.lm_bias, h, nat.lm_head.t(), out=out)
         torch.argmax(out, dim=-1, out=self.next_buf[:B])
 
     def _graph(self, B: int, Lb: int):
@@ -1024,24 +1133,43 @@ class Engine:
         self.stats["graph_capture_seconds"] += time.perf_counter() - t0
         return g
 
+    def _disable_triton(self, e: Exception) -> bool:
+        """After a Triton kernel failed to build or capture here: keep serving with torch ops, if allowed."""
+        if self._tri is None or self._want_attention == "triton":
+            return False
+        log.warning("engine: triton kernels failed (%s: %s); using torch ops", type(e).__name__, e)
+        self._tri = None
+        self.attention = "torch"
+        self.stats["kernels"] = "torch"
+        self.stats["kernels_error"] = f"{type(e).__name__}: {e}"
+        self._graphs = {}
+        self._sync()
+        return True
+
     def _run_decode(self, B: int, Lb: int) -> None:
-        try:
-            if self.use_graphs:
-                self._graph(B, Lb).replay()
-            else:
-                self._decode_body(B, Lb)
-        except Exception as e:
-            if self._tri is None or self._want_attention == "triton":
+        """One decode step (graph replay or eager). If the Triton kernels or graph capture fail on this machine
+        and were not asked for explicitly, fall back (torch ops, then eager) and keep serving."""
+        while True:
+            try:
+                if self.use_graphs:
+                    self._graph(B, Lb).replay()
+                else:
+                    self._decode_body(B, Lb)
+                return
+            except Exception as e:
+                if self._disable_triton(e):
+                    Lb = length_bucket(Lb or self.max_seq_len, self.max_seq_len)
+                    continue
+                if self.use_graphs and self._want_graphs is None:
+                    log.warning("engine: graph capture failed (%s: %s); running the decode step eagerly",
+                                type(e).__name__, e)
+                    self.use_graphs = False
+                    self.stats["graphs_error"] = f"{type(e).__name__}: {e}"
+                    self._graphs = {}
+                    self._sync()
+                    Lb = Lb or self.max_seq_len
+                    continue
                 raise
-            # The Triton kernel failed to build or capture here: keep serving with the torch path.
-            log.warning("engine: triton decode attention failed (%s: %s); using torch attention", type(e).__name__, e)
-            self._tri = None
-            self.attention = "torch"
-            self.stats["attention"] = "torch"
-            self.stats["attention_error"] = f"{type(e).__name__}: {e}"
-            self._graphs = {}
-            self._sync()
-            self._run_decode(B, length_bucket(Lb or self.max_seq_len, self.max_seq_len))
 
     # ------------------------------------------------------------------------------ native scheduling
 
@@ -1076,7 +1204,8 @@ class Engine:
                 break
             dst = heapq.heappop(self._free)
             src = seq.slot
-            self.cache[:, :, dst].copy_(self.cache[:, :, src])
+            used = min(seq.cache_len + 1, self.max_seq_len)
+            self.cache[:, :, dst, :, :used].copy_(self.cache[:, :, src, :, :used])
             self.ids_buf[dst] = self.ids_buf[src]
             self.pos_buf[dst] = self.pos_buf[src]
             self.lora_mask[dst] = self.lora_mask[src]
@@ -1146,7 +1275,12 @@ class Engine:
             if self.nat.lora_rank:
                 self._set_mask_row(seq)
         try:
-            self._prefill(chunk)
+            try:
+                self._prefill(chunk)
+            except Exception as e:
+                if not self._disable_triton(e):
+                    raise
+                self._prefill(chunk)
         except Exception as e:
             log.exception("prefill failed")
             for seq in chunk:
@@ -1156,7 +1290,7 @@ class Engine:
     def _prefill(self, chunk: list[_Seq]) -> None:
         dev = self.device
         n = len(chunk)
-        slots = torch.tensor([s.slot for s in chunk], device=dev)
+        slots = _to_device([s.slot for s in chunk], torch.int64, dev)
         lens = [s.prompt_len for s in chunk]
         if n == 1 and lens[0] > self.prefill_tokens:
             ids_all = chunk[0].req.prompt_ids
@@ -1164,21 +1298,23 @@ class Engine:
             logits = None
             for start in range(0, lens[0], seg):
                 piece = ids_all[start:start + seg]
-                last = torch.tensor([len(piece) - 1], device=dev) if start + seg >= lens[0] else None
-                logits = self._prefill_forward(torch.tensor([piece], device=dev), slots, start, last)
+                last = _to_device([len(piece) - 1], torch.int64, dev) if start + seg >= lens[0] else None
+                logits = self._prefill_forward(_to_device([piece], torch.int64, dev), slots, start, last)
             padded = lens[0]
         else:
             L = max(lens)
             ids = torch.zeros(n, L, dtype=torch.int64)
             for i, s in enumerate(chunk):
                 ids[i, :s.prompt_len] = torch.tensor(s.req.prompt_ids)
-            last = torch.tensor([x - 1 for x in lens], device=dev)
+            last = _to_device([x - 1 for x in lens], torch.int64, dev)
+            if self.backend != "cpu":
+                ids = ids.pin_memory()
             logits = self._prefill_forward(ids.to(dev, non_blocking=True), slots, 0, last)
             padded = n * L
         rows = list(enumerate(chunk))
         toks = self._pick(logits, None, rows, [0] * n)
         self.ids_buf.index_copy_(0, slots, toks)
-        self.pos_buf.index_copy_(0, slots, torch.tensor(lens, device=dev))
+        self.pos_buf.index_copy_(0, slots, _to_device(lens, torch.int64, dev))
         for s in chunk:
             s.cache_len = s.prompt_len
             s.n_launched = 1
@@ -1240,7 +1376,9 @@ class Engine:
             t0 = time.perf_counter()
             c["mask"] = torch.cat([c["mask"], c["mask"].new_ones(c["mask"].shape[0], 1)], dim=1)
             c["pos"] = c["pos"] + 1
-            kw = {"adapter_names": c["adapters"]} if c["adapters"] is not None else {}
+            kw = {}
+            if self.is_peft:  # a cohort started before the base was wrapped runs on as base rows
+                kw["adapter_names"] = c["adapters"] or ["__base__"] * len(c["seqs"])
             logits = self._hf_forward(input_ids=c["next"][:, None], attention_mask=c["mask"],
                                       position_ids=c["pos"][:, None], cache=c["cache"], **kw)
             rows = list(enumerate(c["seqs"]))

@@ -75,3 +75,117 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), out.stride(2),
         G=G, GP=gp, D=D, BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
     return out
+
+
+# ------------------------------------------------------------------------------------------- fused elementwise
+# The decode step of a small model is hundreds of tiny kernels; inside a graph each still costs a few microseconds.
+# These fuse the chains transformers runs as separate ops (RMSNorm is ~7 kernels, q/k norm + RoPE ~12) and keep
+# its rounding: every intermediate that transformers stores in the model dtype is rounded to it here as well.
+
+
+@triton.jit
+def _rms_kernel(X, R, W, Y, XO, s_x, s_r, s_y, s_xo, n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    m = cols < n_cols
+    x = tl.load(X + row * s_x + cols, mask=m, other=0.0)
+    if HAS_RES:  # x = x + r (transformers: residual + hidden_states, rounded to the model dtype)
+        r = tl.load(R + row * s_r + cols, mask=m, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(XO.dtype.element_ty)
+        tl.store(XO + row * s_xo + cols, x, mask=m)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / n_cols
+    y = (xf * tl.rsqrt(var + eps)).to(X.dtype.element_ty)
+    w = tl.load(W + cols, mask=m, other=0.0)
+    tl.store(Y + row * s_y + cols, (y.to(tl.float32) * w.to(tl.float32)).to(Y.dtype.element_ty), mask=m)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """transformers' RMSNorm over the last dim of x [..., N]; with `residual`, first x = x + residual and
+    returns (x, norm(x))."""
+    shape = x.shape
+    n = shape[-1]
+    x2 = x.reshape(-1, n)
+    y = torch.empty_like(x2)
+    block = triton.next_power_of_2(n)
+    warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
+    if residual is None:
+        _rms_kernel[(x2.shape[0],)](x2, x2, w, y, y, x2.stride(0), 0, y.stride(0), 0, n, eps, HAS_RES=False,
+                                    BLOCK=block, num_warps=warps)
+        return y.view(shape)
+    r2 = residual.reshape(-1, n)
+    xo = torch.empty_like(x2)
+    _rms_kernel[(x2.shape[0],)](x2, r2, w, y, xo, x2.stride(0), r2.stride(0), y.stride(0), xo.stride(0), n, eps,
+                                HAS_RES=True, BLOCK=block, num_warps=warps)
+    return xo.view(shape), y.view(shape)
+
+
+@triton.jit
+def _norm_rope_kernel(T, W, COS, SIN, POS, O, H, s_tt, s_th, s_c, s_ot, s_oh, eps, HALF: tl.constexpr,
+                      HAS_NORM: tl.constexpr):
+    pid = tl.program_id(0)
+    t = pid // H
+    h = pid % H
+    c = tl.arange(0, HALF)
+    base = T + t * s_tt + h * s_th
+    x1 = tl.load(base + c)
+    dt = x1.dtype
+    x1 = x1.to(tl.float32)
+    x2 = tl.load(base + HALF + c).to(tl.float32)
+    if HAS_NORM:  # Qwen3's per-head q_norm / k_norm
+        var = (tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF)
+        r = tl.rsqrt(var + eps)
+        w1 = tl.load(W + c).to(tl.float32)
+        w2 = tl.load(W + HALF + c).to(tl.float32)
+        x1 = ((x1 * r).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+        x2 = ((x2 * r).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
+    p = tl.load(POS + t)
+    cos1 = tl.load(COS + p * s_c + c).to(tl.float32)
+    cos2 = tl.load(COS + p * s_c + HALF + c).to(tl.float32)
+    sin1 = tl.load(SIN + p * s_c + c).to(tl.float32)
+    sin2 = tl.load(SIN + p * s_c + HALF + c).to(tl.float32)
+    # x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1)
+    o1 = ((x1 * cos1).to(dt).to(tl.float32) + (-x2 * sin1).to(dt).to(tl.float32)).to(dt)
+    o2 = ((x2 * cos2).to(dt).to(tl.float32) + (x1 * sin2).to(dt).to(tl.float32)).to(dt)
+    obase = O + t * s_ot + h * s_oh
+    tl.store(obase + c, o1)
+    tl.store(obase + HALF + c, o2)
+
+
+def norm_rope(t: torch.Tensor, w: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+              eps: float) -> torch.Tensor:
+    """t [T, H, D] (token-major heads) -> per-head RMSNorm (when w is given) then rotary embedding at positions
+    pos [T], from the cos/sin tables [max_len, D]. Returns a new [T, H, D] tensor."""
+    T, H, D = t.shape
+    assert t.stride(-1) == 1 and cos.stride(-1) == 1
+    out = torch.empty(T, H, D, dtype=t.dtype, device=t.device)
+    _norm_rope_kernel[(T * H,)](t, w if w is not None else t, cos, sin, pos, out, H, t.stride(0), t.stride(1),
+                                cos.stride(0), out.stride(0), out.stride(1), eps, HALF=D // 2,
+                                HAS_NORM=w is not None, num_warps=1)
+    return out
+
+
+@triton.jit
+def _silu_mul_kernel(G, U, O, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    g = tl.load(G + offs, mask=m, other=0.0)
+    dt = g.dtype
+    gf = g.to(tl.float32)
+    s = (gf * tl.sigmoid(gf)).to(dt).to(tl.float32)
+    u = tl.load(U + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(O + offs, (s * u).to(dt), mask=m)
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u, both rounded to the model dtype as transformers does (act_fn(gate) * up)."""
+    g = g.contiguous()
+    u = u.contiguous()
+    out = torch.empty_like(g)
+    n = g.numel()
+    _silu_mul_kernel[(triton.cdiv(n, 1024),)](g, u, out, n, BLOCK=1024, num_warps=4)
+    return out
+
+
+def fused_supported(head_dim: int, hidden_act: str) -> bool:
+    return head_dim >= 4 and (head_dim // 2) & (head_dim // 2 - 1) == 0 and hidden_act in ("silu", "swish")
