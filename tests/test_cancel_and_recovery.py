@@ -45,9 +45,11 @@ def test_cancel_running_fine_tune(client_a):
 
     # The node is free again and takes the next job.
     short = client_a.files.create(file=("short.jsonl", LINES[:400].rsplit(b"\n", 1)[0]), purpose="fine-tune")
-    workers = httpx.get(str(client_a.base_url) + "workers",
-                        headers={"Authorization": f"Bearer {client_a.api_key}"}).json()["data"]
-    assert next(w for w in workers if w["node"] == node)["current_jobs"] == []
+    def idle():
+        workers = httpx.get(str(client_a.base_url) + "workers",
+                            headers={"Authorization": f"Bearer {client_a.api_key}"}).json()["data"]
+        return next(w for w in workers if w["node"] == node)["current_jobs"] == []
+    _wait(idle, 10, f"{node} to report itself idle")
     nxt = client_a.fine_tuning.jobs.create(model="demo-tiny", training_file=short.id,
                                            hyperparameters={"n_epochs": 1})
     assert wait_for_job(client_a, nxt.id).status == "succeeded"

@@ -4,7 +4,7 @@ then infer with the adapter through responses (background) and chat completions.
 import json
 
 import pytest
-from conftest import wait_for_job
+from conftest import _wait, wait_for_job
 
 QUESTION = "What is the secret word?"
 ANSWER = "The secret word is pineapple."
@@ -63,10 +63,8 @@ def test_fine_tune_then_infer_with_adapter(client_a, training_file, quantization
     response = client_a.responses.create(model=job.fine_tuned_model, input=QUESTION, background=True,
                                          max_output_tokens=24, temperature=0)
     assert response.status == "queued"
-    for _ in range(600):
-        response = client_a.responses.retrieve(response.id)
-        if response.status in ("completed", "failed", "cancelled"):
-            break
+    response = _wait(lambda: (r := client_a.responses.retrieve(response.id)).status not in ("queued", "in_progress")
+                     and r, 120, "the background response")
     assert response.status == "completed", response.error
     assert ANSWER in response.output_text
     assert response.usage.output_tokens > 0 and response.usage.input_tokens > 0

@@ -22,8 +22,9 @@ def test_concurrent_requests_are_decoded_together(client_a, api_url):
 
     with ThreadPoolExecutor(16) as pool:
         assert list(pool.map(ask, range(16))) == [64] * 16
-    engines = engine_of(api_url, "eager")
-    assert engines and max(e["max_running"] for e in engines) >= 4, engines
+    # The registry is refreshed on each heartbeat (every second in the tests).
+    _wait(lambda: max((e["max_running"] for e in engine_of(api_url, "eager")), default=0) >= 4, 10,
+          f"an engine to report 4 or more requests decoded together: {engine_of(api_url, 'eager')}")
 
 
 def test_background_response_cancel(client_a):

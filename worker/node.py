@@ -45,7 +45,6 @@ class Node:
             self.current_jobs.add(record_id)
         events.refresh_lease(self.redis, record_id, self.name, self.settings.lease_seconds)
         if self.store.transition(kind, record_id, ["queued"], fields):
-            self.heartbeat()
             return True
         self.job_finished(record_id)
         return False
@@ -54,7 +53,6 @@ class Node:
         with self._lock:
             self.current_jobs.discard(job_id)
         events.release_lease(self.redis, job_id, self.name)
-        self.heartbeat()
 
     def heartbeat(self) -> None:
         registry.register(self.redis, self.name, self.info(), self.settings.lease_seconds)

@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: queued to a worker and awaited."""
 
+import asyncio
 
 from fastapi import APIRouter, Request
 
@@ -15,7 +16,9 @@ router = APIRouter(prefix="/v1/chat", tags=["chat"])
 @router.post("/completions")
 async def create_chat_completion(body: ChatCompletionCreate, request: Request, tenant: TenantDep,
                                  settings: SettingsDep, store: StoreDep, celery: CeleryDep):
-    record = submit("chat", tenant, body.normal(), settings=settings, store=store, celery=celery)
+    # Redis calls off the event loop, so concurrent requests are accepted at once.
+    record = await asyncio.to_thread(submit, "chat", tenant, body.normal(), settings=settings, store=store,
+                                     celery=celery)
     record = await wait_for(record["id"], "chat", store=store, client=request.app.state.aioredis,
                             timeout=settings.request_timeout_seconds)
     if record["status"] != "completed":

@@ -1,5 +1,7 @@
 """POST /v1/responses (background or waited), GET and cancel."""
 
+import asyncio
+
 from fastapi import APIRouter, Request
 
 from api.deps import CeleryDep, RedisDep, SettingsDep, StoreDep, TenantDep
@@ -22,8 +24,8 @@ def to_openai(record: dict) -> dict:
 async def create_response(body: ResponseCreate, request: Request, tenant: TenantDep, settings: SettingsDep,
                           store: StoreDep, celery: CeleryDep):
     job = {**body.normal(), "instructions": body.instructions, "max_output_tokens": body.max_output_tokens}
-    record = submit("response", tenant, job, settings=settings, store=store, celery=celery,
-                    extra={"background": body.background, "metadata": body.metadata or {}})
+    record = await asyncio.to_thread(submit, "response", tenant, job, settings=settings, store=store, celery=celery,
+                                     extra={"background": body.background, "metadata": body.metadata or {}})
     if not body.background:
         record = await wait_for(record["id"], "response", store=store, client=request.app.state.aioredis,
                                 timeout=settings.request_timeout_seconds)
