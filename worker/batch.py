@@ -3,8 +3,7 @@ bases and adapters), results are written to the chunk's own output and error fil
 settle finalises the batch."""
 
 import json
-import time
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from pydantic import ValidationError
 
@@ -75,6 +74,7 @@ def run_chunk(node: Node, chunk_id: str) -> None:
 
     cancelled = False
     while pending:
+        wait([entry[4] for entry in pending.values()], timeout=POLL_SECONDS, return_when=FIRST_COMPLETED)
         if not cancelled and events.cancel_requested(redis, batch_id):
             cancelled = True
             for _, _, request_id, loaded, _ in pending.values():
@@ -96,7 +96,6 @@ def run_chunk(node: Node, chunk_id: str) -> None:
             store.incr("chunk", chunk_id, "completed")
             store.incr("chunk", chunk_id, "input_tokens", done["prompt_tokens"])
             store.incr("chunk", chunk_id, "output_tokens", done["completion_tokens"])
-        time.sleep(POLL_SECONDS if pending else 0)
 
     out_path, err_path = batches.chunk_files(settings.artifact_root, tenant, batch_id, chunk["index"])
     ordered = sorted(results)
