@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import random
 import sys
@@ -293,8 +292,9 @@ DEFAULT_VARIANTS = [v for v in VARIANTS if v != "service"]
 def gpu_check(device: str) -> dict:
     """On the benchmark device: the engine's greedy tokens vs `generate` (tiny model, float32, graphs on), for
     each decode-attention implementation; and the Triton kernel against a float32 reference in bf16."""
-    from worker.demo_model import build_demo_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from worker.demo_model import build_demo_model
 
     out: dict = {}
     path = build_demo_model(Path(tempfile.mkdtemp(prefix="bench-check-")) / "tiny")

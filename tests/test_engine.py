@@ -4,7 +4,6 @@ one batch, sampling, stop strings, errors, cancellation, concurrent submission, 
 import random
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch

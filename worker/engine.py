@@ -154,7 +154,7 @@ def sample_tokens(logits: torch.Tensor, temperature: list[float], top_p: list[fl
             before = sp.cumsum(dim=-1) - sp  # mass of the more likely tokens
             cut = before >= _to_device(tp, torch.float32, dev)[:, None]
             probs = torch.zeros_like(probs).scatter_(-1, idx, sp.masked_fill(cut, 0.0))
-        keys = _to_device([_row_key(s, k) for s, k in zip(seeds[sl], steps[sl])], torch.int64, dev)
+        keys = _to_device([_row_key(s, k) for s, k in zip(seeds[sl], steps[sl], strict=True)], torch.int64, dev)
         h = _mix32(keys[:, None] ^ vocab[None, :])
         u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
         out.append(torch.argmax(probs / (-torch.log(u)), dim=-1))
@@ -311,7 +311,7 @@ class _NativeModel:
                 col += ranks[a]
             self.lora_rank = col
         self.layers: list[_Layer] = []
-        for i, layer in enumerate(core.layers):
+        for layer in core.layers:
             L = _Layer()
             L.ln1 = layer.input_layernorm.weight
             L.ln2 = layer.post_attention_layernorm.weight
@@ -374,11 +374,13 @@ def native_unsupported_reason(model, max_seq_len: int | None = None) -> str | No
         return f"activation {cfg.hidden_act!r}"
     for layer in core.layers:
         att = layer.self_attn
-        if not all(hasattr(att, p) for p in _PROJECTIONS[:4]) or not all(hasattr(layer.mlp, p) for p in _PROJECTIONS[4:]):
+        if not all(hasattr(att, p) for p in _PROJECTIONS[:4]) or \
+                not all(hasattr(layer.mlp, p) for p in _PROJECTIONS[4:]):
             return "unexpected layer layout"
     if hasattr(model, "peft_config"):
         for name, pc in model.peft_config.items():
-            if getattr(pc, "peft_type", None) is not None and str(getattr(pc.peft_type, "value", pc.peft_type)) != "LORA":
+            peft_type = getattr(pc, "peft_type", None)
+            if peft_type is not None and str(getattr(peft_type, "value", peft_type)) != "LORA":
                 return f"adapter {name!r} is {pc.peft_type}, not LoRA"
             if getattr(pc, "modules_to_save", None):
                 return f"adapter {name!r} has modules_to_save"
@@ -899,7 +901,7 @@ class Engine:
               steps: list[int]) -> torch.Tensor:
         """Tokens for rows of `logits` ([N, V]); rows listed in `seqs` with temperature > 0 are sampled."""
         toks = torch.argmax(logits, dim=-1) if greedy is None else greedy
-        samp = [(i, s, k) for (i, s), k in zip(seqs, steps) if s.temperature > 0]
+        samp = [(i, s, k) for (i, s), k in zip(seqs, steps, strict=True) if s.temperature > 0]
         if samp:
             rows = _to_device([i for i, _, _ in samp], torch.int64, logits.device)
             drawn = sample_tokens(logits.index_select(0, rows).float(), [s.temperature for _, s, _ in samp],
