@@ -36,10 +36,14 @@ class Sampling(BaseModel):
     attn_implementation: Attention = "sdpa"
     # Extension (as in vLLM): keep generating past end-of-sequence until the token limit (benchmarks).
     ignore_eos: bool = False
+    # Extensions: load the base in bitsandbytes 4- or 8-bit, and swap in the Hub's kernels (use_kernels=True).
+    quantization: Literal["none", "4bit", "8bit"] = "none"
+    use_kernels: bool = False
 
     def sampling(self) -> dict:
         return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
-                "attn_implementation": self.attn_implementation, "ignore_eos": self.ignore_eos}
+                "attn_implementation": self.attn_implementation, "ignore_eos": self.ignore_eos,
+                "quantization": self.quantization, "use_kernels": self.use_kernels}
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:

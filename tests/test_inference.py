@@ -4,13 +4,19 @@ can be cancelled; the registry shows what each worker has loaded."""
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from conftest import KEY_A, _wait
+import openai
+import pytest
+from conftest import KEY_A, _wait, wait_for_job
+
+
+def loaded_models(api_url: str) -> list[dict]:
+    """Every worker's loaded models, as the registry shows them."""
+    workers = httpx.get(api_url + "/v1/workers", headers={"Authorization": f"Bearer {KEY_A}"}).json()["data"]
+    return [m for w in workers for m in w.get("models", []) if m["model"] == "demo-tiny"]
 
 
 def engine_of(api_url: str, attn: str) -> list[dict]:
-    workers = httpx.get(api_url + "/v1/workers", headers={"Authorization": f"Bearer {KEY_A}"}).json()["data"]
-    return [m["engine"] for w in workers for m in w.get("models", [])
-            if m["model"] == "demo-tiny" and m["attn_implementation"] == attn]
+    return [m["engine"] for m in loaded_models(api_url) if m["attn_implementation"] == attn]
 
 
 def test_concurrent_requests_are_decoded_together(client_a, api_url):
@@ -36,3 +42,25 @@ def test_background_response_cancel(client_a):
                   "the cancel")
     assert final.status == "cancelled"
     assert final.usage is None or final.usage.output_tokens < 1000
+
+
+def test_quantized_base_for_inference(client_a, api_url):
+    reply = client_a.chat.completions.create(
+        model="demo-tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0,
+        extra_body={"quantization": "4bit", "ignore_eos": True})
+    assert reply.usage.completion_tokens == 6
+    # Quantized weights run through the model's own forward (the engine's fallback path).
+    _wait(lambda: any(m["quantization"] == "4bit" and m["engine"]["path"] == "hf" for m in loaded_models(api_url)),
+          10, f"a 4-bit model in the registry: {loaded_models(api_url)}")
+
+
+def test_unavailable_hub_kernels_fail_clearly(client_a):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client_a.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "Hi"}],
+                                         max_tokens=2, extra_body={"use_kernels": True})
+    assert exc.value.code == "kernels_unavailable" and "Kernels" in exc.value.message
+    upload = client_a.files.create(file=("k.jsonl", b'{"prompt": "a", "completion": "b"}'), purpose="fine-tune")
+    job = client_a.fine_tuning.jobs.create(model="demo-tiny", training_file=upload.id,
+                                           hyperparameters={"n_epochs": 1}, extra_body={"use_kernels": True})
+    job = wait_for_job(client_a, job.id)
+    assert job.status == "failed" and job.error.code == "kernels_unavailable"

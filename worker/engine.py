@@ -377,6 +377,8 @@ def native_unsupported_reason(model, max_seq_len: int | None = None) -> str | No
         if not all(hasattr(att, p) for p in _PROJECTIONS[:4]) or \
                 not all(hasattr(layer.mlp, p) for p in _PROJECTIONS[4:]):
             return "unexpected layer layout"
+    if getattr(cfg, "quantization_config", None) is not None:
+        return "quantized weights (bitsandbytes): the model's own forward dequantizes them"
     if hasattr(model, "peft_config"):
         for name, pc in model.peft_config.items():
             peft_type = getattr(pc, "peft_type", None)

@@ -37,23 +37,25 @@ class LoadedModel:
 
 
 class ModelCache:
-    """Loaded bases keyed by (model, attention implementation), least recently used evicted first."""
+    """Loaded bases keyed by how they were loaded (model, attention, quantization, kernels), least recently used
+    evicted first."""
 
     def __init__(self, settings: Settings, backend: str):
         self.settings = settings
         self.backend = backend
-        self._models: OrderedDict[tuple[str, str], LoadedModel] = OrderedDict()
+        self._models: OrderedDict[tuple[str, str, str, bool], LoadedModel] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, base: str, attn_implementation: str) -> LoadedModel:
-        key = (base, attn_implementation)
+    def get(self, base: str, attn_implementation: str, quantization: str, use_kernels: bool) -> LoadedModel:
+        key = (base, attn_implementation, quantization, use_kernels)
         with self._lock:
             if key in self._models:
                 self._models.move_to_end(key)
                 return self._models[key]
             try:
                 model, tokenizer = load_model_and_tokenizer(base, self.settings, self.backend,
-                                                            attn_implementation=attn_implementation)
+                                                            attn_implementation=attn_implementation,
+                                                            quantization=quantization, use_kernels=use_kernels)
             except ModelLoadError as exc:
                 raise RequestFailed(exc.code, str(exc)) from None
             nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -93,10 +95,11 @@ class ModelCache:
         """What the registry shows of this node's loaded models and their engines."""
         with self._lock:
             items = list(self._models.items())
-        return {"models": [{"model": base, "attn_implementation": attn, "adapters": sorted(m.adapters),
+        return {"models": [{"model": base, "attn_implementation": attn, "quantization": quantization,
+                            "use_kernels": kernels, "adapters": sorted(m.adapters),
                             "engine": {k: m.engine.stats.get(k) for k in
                                        ("path", "max_running", "decode_steps", "completed", "errors")}}
-                           for (base, attn), m in items]}
+                           for (base, attn, quantization, kernels), m in items]}
 
 
 _caches: dict[str, ModelCache] = {}
@@ -136,7 +139,8 @@ def start(node: Node, request_id: str, tenant: str, request: dict) -> tuple[Load
     except catalog.UnknownModel as exc:
         raise RequestFailed("model_not_found", str(exc)) from None
     cache = cache_for(node)
-    loaded = cache.get(base, request.get("attn_implementation") or "sdpa")
+    loaded = cache.get(base, request.get("attn_implementation") or "sdpa", request.get("quantization") or "none",
+                       bool(request.get("use_kernels")))
     adapter = adapter_of(tenant, ref, node.settings)
     if adapter:
         cache.attach_adapter(loaded, *adapter)

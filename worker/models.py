@@ -19,7 +19,7 @@ def model_source(name: str, settings: Settings) -> str:
 
 
 def load_model_and_tokenizer(name: str, settings: Settings, backend: str, *, attn_implementation: str = "sdpa",
-                             quantization: str = "none", for_training: bool = False):
+                             quantization: str = "none", use_kernels: bool = False, for_training: bool = False):
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
     if attn_implementation == "flash_attention_2" and backend == "cpu":
@@ -28,6 +28,8 @@ def load_model_and_tokenizer(name: str, settings: Settings, backend: str, *, att
     dtype = devices.compute_dtype(backend)
     kwargs = {"dtype": dtype, "attn_implementation": attn_implementation,
               "trust_remote_code": settings.trust_remote_code}
+    if use_kernels:
+        kwargs["use_kernels"] = True
     if quantization == "4bit":
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
@@ -46,10 +48,12 @@ def load_model_and_tokenizer(name: str, settings: Settings, backend: str, *, att
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=settings.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except (ImportError, ValueError) as exc:
-        code = "unsupported_attention" if "attn" in str(exc).lower() or "flash" in str(exc).lower() \
-            else "model_load_failed"
+        text = str(exc).lower()
+        code = "kernels_unavailable" if use_kernels and "kernels" in text else \
+            "unsupported_attention" if "attn" in text or "flash" in text else "model_load_failed"
         raise ModelLoadError(code, f"Could not load '{name}' with attn_implementation={attn_implementation!r}, "
-                                   f"quantization={quantization!r} on {backend}: {exc}") from None
+                                   f"quantization={quantization!r}, use_kernels={use_kernels} on {backend}: "
+                                   f"{exc}") from None
     except OSError as exc:
         raise ModelLoadError("model_not_available", f"Model '{name}' is not available on this worker "
                                                     f"(not under {settings.models_root} and not fetchable): "

@@ -135,7 +135,8 @@ def train(job: dict, store: RecordStore, settings: Settings, backend: str) -> di
     try:
         model, tokenizer = load_model_and_tokenizer(
             job["model"], settings, backend, attn_implementation=job.get("attn_implementation", "sdpa"),
-            quantization=job.get("quantization", "none"), for_training=True)
+            quantization=job.get("quantization", "none"), use_kernels=bool(job.get("use_kernels")),
+            for_training=True)
     except ModelLoadError as exc:
         raise JobFailed(exc.code, str(exc)) from None
     if job.get("quantization", "none") != "none":

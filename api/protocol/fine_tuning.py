@@ -44,5 +44,6 @@ class FineTuningJobCreate(BaseModel):
     quantization: Literal["none", "4bit", "8bit"] = "none"
     bf16: bool | None = Field(None, description="None: bf16 where the device supports it")
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    use_kernels: bool = Field(False, description="swap in the Hub's kernels for supported layers")
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
     checkpoint_steps: int | None = Field(None, ge=1, description="save a checkpoint every N steps")

@@ -12,6 +12,10 @@ from contract.inference_requests import ChatCompletionCreate
 
 router = APIRouter(prefix="/v1/chat", tags=["chat"])
 
+# A failed request's code -> the status the caller gets; anything else is a server error.
+STATUS_OF = {"invalid_prompt": 400, "unsupported_attention": 400, "kernels_unavailable": 400,
+             "model_not_found": 404}
+
 
 @router.post("/completions")
 async def create_chat_completion(body: ChatCompletionCreate, request: Request, tenant: TenantDep,
@@ -23,6 +27,5 @@ async def create_chat_completion(body: ChatCompletionCreate, request: Request, t
                             timeout=settings.request_timeout_seconds)
     if record["status"] != "completed":
         error = record.get("error") or {"message": f"The request ended {record['status']}.", "code": None}
-        raise APIError(400 if error.get("code") in ("invalid_prompt", "unsupported_attention") else 500,
-                       error["message"], code=error.get("code"))
+        raise APIError(STATUS_OF.get(error.get("code"), 500), error["message"], code=error.get("code"))
     return chat_completion(record["id"], record["created_at"], record["model"], record["result"])

@@ -24,7 +24,7 @@ TERMINAL = {"succeeded", "failed", "cancelled"}
 PUBLIC_FIELDS = ("id", "created_at", "finished_at", "estimated_finish", "model", "fine_tuned_model",
                  "hyperparameters", "method", "seed", "metadata", "training_file", "validation_file",
                  "result_files", "trained_tokens", "status", "error", "suffix", "lora", "quantization",
-                 "bf16", "attn_implementation", "max_steps", "checkpoint_steps", "attempts")
+                 "bf16", "attn_implementation", "use_kernels", "max_steps", "checkpoint_steps", "attempts")
 
 
 def to_openai(record: dict) -> dict:
@@ -97,7 +97,8 @@ def create_job(body: FineTuningJobCreate, tenant: TenantDep, settings: SettingsD
         "metadata": body.metadata, "hyperparameters": hyperparameters,
         "method": {"type": "supervised", "supervised": {"hyperparameters": hyperparameters}},
         "lora": body.lora.model_dump(), "quantization": body.quantization, "bf16": body.bf16,
-        "attn_implementation": body.attn_implementation, "max_steps": body.max_steps,
+        "attn_implementation": body.attn_implementation, "use_kernels": body.use_kernels,
+        "max_steps": body.max_steps,
         "checkpoint_steps": body.checkpoint_steps or settings.checkpoint_steps,
         "fine_tuned_model": None, "finished_at": None, "estimated_finish": None, "trained_tokens": None,
         "result_files": [], "error": None, "queue": queue, "attempts": 0, "checkpoints": [],
