@@ -7,8 +7,10 @@ steps under the job's directory; a retried job resumes from the newest. Writes o
 import csv
 import json
 import os
+import shutil
 import sys
 import time
+from pathlib import Path
 
 from contract import events
 from contract.layout import adapter_dir, checkpoint_model_id, checkpoints_dir, file_path, fine_tuned_model_id, job_dir
@@ -165,8 +167,7 @@ def train(job: dict, store: RecordStore, settings: Settings, backend: str) -> di
     callback = make_callback(job, store, settings, os.getppid())
     trainer = Trainer(model=model, args=args, train_dataset=train_rows, eval_dataset=eval_rows,
                       data_collator=Collator(tokenizer.pad_token_id), callbacks=[callback])
-    resume = any(out.glob("checkpoint-*")) if out.exists() else False
-    trainer.train(resume_from_checkpoint=True if resume else None)
+    trainer.train(resume_from_checkpoint=_resume_point(job, out))
     if callback.cancelled:
         return {"status": "cancelled"}
     adapter = adapter_dir(settings.artifact_root, tenant, job_id)
@@ -176,6 +177,20 @@ def train(job: dict, store: RecordStore, settings: Settings, backend: str) -> di
     results_file = _write_results_file(store, settings, job, callback.metrics, trainer)
     return {"status": "succeeded", "fine_tuned_model": fine_tuned_model_id(job["model"], job.get("suffix"), job_id),
             "trained_tokens": trained_tokens, "result_files": [results_file]}
+
+
+def _resume_point(job: dict, out: Path) -> str | None:
+    """The newest checkpoint the record lists (a checkpoint is listed only once fully saved); directories of a
+    save cut short when an earlier attempt's worker died are removed."""
+    listed = {c["step_number"] for c in job.get("checkpoints", [])}
+    complete = []
+    for directory in out.glob("checkpoint-*") if out.exists() else []:
+        step = directory.name.removeprefix("checkpoint-")
+        if step.isdigit() and int(step) in listed:
+            complete.append((int(step), directory))
+        else:
+            shutil.rmtree(directory, ignore_errors=True)
+    return str(max(complete)[1]) if complete else None
 
 
 def _write_results_file(store: RecordStore, settings: Settings, job: dict, metrics: list[dict], trainer) -> str:
