@@ -48,6 +48,8 @@ class Settings(BaseSettings):
     # learning_rate = base_learning_rate * learning_rate_multiplier
     base_learning_rate: float = 2e-4
     checkpoint_steps: int = 20
+    # Training processes per fine-tune (data parallel): 0 = one per device of the worker (one on cpu).
+    training_processes: int = 0
     default_n_epochs: int = 3
     default_batch_size: int = 4
 

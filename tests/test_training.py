@@ -1,5 +1,7 @@
 """Pieces of the training process on their own."""
 
+from pathlib import Path
+
 from worker.demo_model import build_demo_model
 from worker.training import _resume_point, tokenize_examples
 
@@ -25,3 +27,45 @@ def test_loss_covers_only_the_final_answer(tmp_path):
     learned = [t for t, label in zip(row["input_ids"], row["labels"], strict=True) if label != -100]
     assert tokenizer.decode(learned) == "Hello!<|end|>"
     assert len(row["labels"]) == len(row["input_ids"])
+
+
+def test_data_parallel_training_with_two_processes(stack_env, redis_client, tmp_path):
+    """The guide's multi-process training: torchrun starts one process per device (gloo on CPU here; xccl on
+    XPU, nccl on CUDA); the main process reports and saves, all stop together."""
+    import json
+    import os
+    import subprocess
+
+    from contract import events
+    from contract.layout import adapter_dir, file_path
+    from contract.records import RecordStore, new_id
+    from worker.fine_tune import training_command
+
+    root = Path(stack_env["XPUJOBS_ARTIFACT_ROOT"])
+    store = RecordStore(redis_client)
+    job_id, file_id = new_id("ftjob"), new_id("file")
+    data = file_path(root, "tenant-ddp", file_id)
+    data.parent.mkdir(parents=True, exist_ok=True)
+    data.write_text("\n".join(json.dumps({"prompt": f"Q{i}", "completion": f"A{i}."}) for i in range(8)))
+    hyper = {"n_epochs": 2, "batch_size": 2, "learning_rate_multiplier": 1.0, "learning_rate": 2e-4}
+    store.create("ftjob", {"id": job_id, "tenant": "tenant-ddp", "status": "running", "model": "demo-tiny",
+                           "training_file": file_id, "validation_file": None, "suffix": "ddp", "seed": 1,
+                           "hyperparameters": hyper, "lora": {"r": 4, "alpha": 8, "dropout": 0.0,
+                                                              "target_modules": "all-linear"},
+                           "quantization": "none", "bf16": None, "attn_implementation": "sdpa",
+                           "use_kernels": False, "max_steps": None, "checkpoint_steps": 2, "checkpoints": []})
+    command = training_command(job_id, 2)
+    assert command[1:3] == ["-m", "torch.distributed.run"]
+    result = subprocess.run(command, env={**stack_env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcome = json.loads((adapter_dir(root, "tenant-ddp", job_id).parent
+                          / "outcome.json").read_text())
+    assert outcome["status"] == "succeeded", outcome
+    assert (adapter_dir(root, "tenant-ddp", job_id) / "adapter_model.safetensors").exists()
+    messages = [e["message"] for e in events.read_all(redis_client, job_id)]
+    assert "Training with 2 processes (gloo collectives)" in messages
+    # 8 examples, 2 per process per step, 2 processes: 2 steps an epoch, 4 in all; each step reported once.
+    assert [m.split(":")[0] for m in messages if m.startswith("Step ")] == [f"Step {i}/4" for i in (1, 2, 3, 4)]
+    assert [c["step_number"] for c in store.get("ftjob", job_id)["checkpoints"]] == [2, 4]
+    assert os.environ.get("RANK") is None

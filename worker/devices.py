@@ -18,6 +18,10 @@ MASK_VARIABLE = {"xpu": "ZE_AFFINITY_MASK", "cuda": "CUDA_VISIBLE_DEVICES"}
 ORDER_VARIABLE = {"xpu": ("ZE_ENABLE_PCI_ID_DEVICE_ORDER", "1"), "cuda": ("CUDA_DEVICE_ORDER", "PCI_BUS_ID")}
 
 
+# Collective backend of multi-process training on each device type (the guide: xccl on XPU).
+DISTRIBUTED_BACKEND = {"xpu": "xccl", "cuda": "nccl", "cpu": "gloo"}
+
+
 class PinningError(ValueError):
     pass
 
@@ -123,6 +127,12 @@ def describe(backend: str) -> list[dict[str, Any]]:
 
 def torch_device(backend: str) -> str:
     return "cpu" if backend == "cpu" else f"{backend}:0"
+
+
+def rank_device(backend: str) -> str:
+    """The device of this training process: each rank of a group takes its own (LOCAL_RANK from torchrun),
+    with the whole group visible to every rank so collectives can reach the peers."""
+    return "cpu" if backend == "cpu" else f"{backend}:{int(os.environ.get('LOCAL_RANK', 0))}"
 
 
 def compute_dtype(backend: str):

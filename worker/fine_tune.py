@@ -6,6 +6,7 @@ the node dies, the lease lapses and the reconciler requeues the job.
 """
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -44,7 +45,9 @@ def run_fine_tune(node: Node, celery: Celery, job_id: str) -> None:
 def _train_in_child(node: Node, job_id: str) -> dict:
     outcome_path = job_dir(node.settings.artifact_root, store_tenant(node, job_id), job_id) / "outcome.json"
     outcome_path.unlink(missing_ok=True)
-    child = subprocess.Popen([sys.executable, "-m", "worker.training", job_id])
+    processes = node.settings.training_processes or (len(node.devices) if node.backend != "cpu" else 1)
+    child = subprocess.Popen(training_command(job_id, processes),
+                             env={**os.environ, "XPUJOBS_NODE_PID": str(os.getpid())})
     while child.poll() is None:  # the node's heartbeat keeps the lease fresh however long the job runs
         time.sleep(0.5)
     if outcome_path.exists():
@@ -52,6 +55,14 @@ def _train_in_child(node: Node, job_id: str) -> dict:
     return {"status": "failed", "error": {"code": "training_process_died",
                                           "message": f"The training process exited with code {child.returncode} "
                                                      "without a result (out of memory?)."}}
+
+
+def training_command(job_id: str, processes: int) -> list[str]:
+    """One process, or one per device through torchrun (data parallel, the guide's one process per XPU)."""
+    if processes <= 1:
+        return [sys.executable, "-m", "worker.training", job_id]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+            "-m", "worker.training", job_id]
 
 
 def store_tenant(node: Node, job_id: str) -> str:

@@ -42,7 +42,7 @@ def load_model_and_tokenizer(name: str, settings: Settings, backend: str, *, att
     elif visible > 1 and not for_training:
         kwargs["device_map"] = "auto"  # spread a model too large for one device over the group
     else:
-        kwargs["device_map"] = {"": devices.torch_device(backend)}
+        kwargs["device_map"] = {"": devices.rank_device(backend) if for_training else devices.torch_device(backend)}
     source = model_source(name, settings)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=settings.trust_remote_code)

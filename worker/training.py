@@ -60,14 +60,37 @@ class Collator:
         }
 
 
-def make_callback(job: dict, store: RecordStore, settings: Settings, parent_pid: int):
+def node_alive() -> bool:
+    try:
+        os.kill(int(os.environ["XPUJOBS_NODE_PID"]), 0)
+    except (KeyError, ValueError):
+        return True  # run by hand, without a node
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def agreed(flag: bool, device) -> bool:
+    """True on every rank if it is true on any: ranks must stop at the same step or collectives hang."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def make_callback(job: dict, store: RecordStore, settings: Settings):
     from transformers import TrainerCallback
 
     redis = store.redis
     job_id = job["id"]
 
     class JobCallback(TrainerCallback):
-        """Progress events, checkpoints in the record, cooperative cancel, and stop if the node died."""
+        """Progress events and checkpoints in the record (from the main process), cooperative cancel agreed by
+        all processes, and a stop if the node died."""
 
         def __init__(self):
             self.cancelled = False
@@ -78,12 +101,16 @@ def make_callback(job: dict, store: RecordStore, settings: Settings, parent_pid:
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.first_step = state.global_step
-            if state.global_step:
+            if state.is_world_process_zero and args.world_size > 1:
+                events.emit(redis, job_id, f"Training with {args.world_size} processes "
+                                           f"({args.ddp_backend or 'default'} collectives)",
+                            data={"world_size": args.world_size})
+            if state.global_step and state.is_world_process_zero:
                 events.emit(redis, job_id, f"Resumed from checkpoint at step {state.global_step}",
                             data={"step": state.global_step})
 
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if not logs or "loss" not in logs:
+            if not logs or "loss" not in logs or not state.is_world_process_zero:
                 return
             done = state.global_step - (self.first_step or 0)
             per_step = (time.monotonic() - self.started) / max(done, 1)
@@ -97,16 +124,20 @@ def make_callback(job: dict, store: RecordStore, settings: Settings, parent_pid:
                         type_="metrics", data=data)
 
         def on_step_end(self, args, state, control, **kwargs):
-            if os.getppid() != parent_pid:
+            if not node_alive():
                 sys.exit(3)  # the node died; the reconciler requeues the job from its last checkpoint
-            if time.monotonic() - self.last_check >= CANCEL_CHECK_SECONDS:
+            asked = False
+            if state.is_world_process_zero and time.monotonic() - self.last_check >= CANCEL_CHECK_SECONDS:
                 self.last_check = time.monotonic()
-                if events.cancel_requested(redis, job_id):
-                    self.cancelled = True
-                    control.should_training_stop = True
-                    control.should_save = True
+                asked = events.cancel_requested(redis, job_id)
+            if agreed(asked, args.device):
+                self.cancelled = True
+                control.should_training_stop = True
+                control.should_save = True
 
         def on_save(self, args, state, control, **kwargs):
+            if not state.is_world_process_zero:
+                return
             step = state.global_step
             last = self.metrics[-1] if self.metrics else {}
             checkpoint = {
@@ -162,14 +193,17 @@ def train(job: dict, store: RecordStore, settings: Settings, backend: str) -> di
         max_steps=job.get("max_steps") or -1, save_strategy="steps", save_steps=job["checkpoint_steps"],
         logging_steps=1, eval_strategy="steps" if eval_rows else "no", eval_steps=job["checkpoint_steps"],
         bf16=use_bf16, use_cpu=backend == "cpu", seed=job["seed"], data_seed=job["seed"], report_to=[],
+        ddp_backend=devices.DISTRIBUTED_BACKEND[backend] if int(os.environ.get("WORLD_SIZE", 1)) > 1 else None,
         disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0, save_only_model=False,
     )
-    callback = make_callback(job, store, settings, os.getppid())
+    callback = make_callback(job, store, settings)
     trainer = Trainer(model=model, args=args, train_dataset=train_rows, eval_dataset=eval_rows,
                       data_collator=Collator(tokenizer.pad_token_id), callbacks=[callback])
     trainer.train(resume_from_checkpoint=_resume_point(job, out))
     if callback.cancelled:
         return {"status": "cancelled"}
+    if not trainer.is_world_process_zero():
+        return {"status": "succeeded"}  # the main process saves and reports
     adapter = adapter_dir(settings.artifact_root, tenant, job_id)
     model.save_pretrained(adapter, safe_serialization=True)
     tokenizer.save_pretrained(adapter)
@@ -224,8 +258,9 @@ def main(job_id: str) -> int:
     except Exception as exc:  # the job fails; the node and other jobs go on
         outcome = {"status": "failed", "error": {"code": "training_error",
                                                  "message": f"{type(exc).__name__}: {exc}", "param": None}}
-    outcome_path.write_text(json.dumps(outcome))
-    return 0
+    if int(os.environ.get("RANK", 0)) == 0:
+        outcome_path.write_text(json.dumps(outcome))
+    return 0 if outcome["status"] != "failed" else 1
 
 
 if __name__ == "__main__":
