@@ -12,7 +12,7 @@ Variants (run in this order; --variants picks a subset):
   generate_batch-warm             the same again on its persistent manager (graphs already captured)
   engine-cold                     worker.engine.Engine, first run: includes capturing its graphs
   engine                          the same engine again, warm
-  service                         (d) the whole service (bench/service.py; see the HOOK below); not a default
+  service                         (d) the whole service: one batch job through API, queue, worker (bench/service.py)
 
 The qwen3-0.6b model is Qwen3-0.6B's architecture written out by hand (hidden 1024, 28 layers, 16 heads, 8 KV
 heads, head_dim 128, intermediate 3072, vocab 151936, tied embeddings) with random bf16 weights: nothing is
@@ -251,27 +251,18 @@ def run_engine(ctx, cold: bool) -> dict:
     return res
 
 
-# (d) HOOK: the whole service. `run_service(prompts, new_tokens) -> dict` returns at least {"tokens": int,
-# "seconds": float} (and, when known, "steps", "peak_memory_bytes"). Assign one here to override; otherwise
-# bench/service.py's make_run_service builds it (the stack started as a user starts it, with the engine
-# configured as in variant (c)). Not in the default variants: add it with --variants ...,service.
-run_service: Callable[[list[list[int]], int], dict] | None = None
-
-
 def run_service_variant(ctx) -> dict:
-    fn = run_service
-    if fn is None:
-        try:
-            from bench.service import make_run_service
-        except ImportError as e:
-            raise NotImplementedError(f"no run_service (bench/service.py: {e})") from None
-        a = ctx["args"]
-        max_len = max(len(p) for p in ctx["prompts"]) + ctx["new_tokens"]
-        fn = make_run_service(a.model, ctx["dev"].backend, int(a.engine_memory_gib * GiB), a.engine_batch, max_len)
+    """(d) the whole service (bench/service.py), with the engine configured as in variant (c)."""
+    from bench.service import make_run_service
+
+    a = ctx["args"]
+    max_len = max(len(p) for p in ctx["prompts"]) + ctx["new_tokens"]
+    run_service = make_run_service(a.model, ctx["dev"].backend, int(a.engine_memory_gib * GiB), a.engine_batch,
+                                   max_len)
     if ctx.get("engine") is not None:  # the service's worker needs the device memory this process's engine holds
         ctx.pop("engine").close()
         ctx["dev"].reset_peak()
-    return fn(ctx["prompts"], ctx["new_tokens"])
+    return run_service(ctx["prompts"], ctx["new_tokens"])
 
 
 VARIANTS: dict[str, Callable[[dict], dict]] = {
@@ -283,7 +274,7 @@ VARIANTS: dict[str, Callable[[dict], dict]] = {
     "engine": lambda ctx: run_engine(ctx, cold=False),
     "service": run_service_variant,
 }
-DEFAULT_VARIANTS = [v for v in VARIANTS if v != "service"]
+DEFAULT_VARIANTS = list(VARIANTS)
 
 
 # ------------------------------------------------------------------------------------------ correctness

@@ -4,6 +4,7 @@ The node runs the threads pool: inference requests share the loaded models and a
 fine-tune runs in a child process of its own, so no fork ever follows device initialisation.
 """
 
+import os
 import sys
 
 from celery import signals
@@ -32,8 +33,6 @@ def _start_node(**_):
     except RuntimeError as exc:
         print(f"xpu-jobs worker: {exc}", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        import os
-
         os._exit(78)  # EX_CONFIG: a misconfigured node must not sit on the queue doing nothing
     _state["node"].start()
     _state["reconciler"] = Reconciler(settings, app)

@@ -35,15 +35,16 @@ def run_fine_tune(node: Node, celery: Celery, job_id: str) -> None:
             return
         events.emit(redis, job_id, f"Fine-tuning job started on {node.name} (attempt {attempt})",
                     data={"status": "running", "node": node.name})
-        outcome = _train_in_child(node, job_id)
+        outcome = _train_in_child(node, record)
         _settle(node, job_id, outcome)
     finally:
         node.job_finished(job_id)
         node.training_slot.release()
 
 
-def _train_in_child(node: Node, job_id: str) -> dict:
-    outcome_path = job_dir(node.settings.artifact_root, store_tenant(node, job_id), job_id) / "outcome.json"
+def _train_in_child(node: Node, record: dict) -> dict:
+    job_id = record["id"]
+    outcome_path = job_dir(node.settings.artifact_root, record["tenant"], job_id) / "outcome.json"
     outcome_path.unlink(missing_ok=True)
     processes = node.settings.training_processes or (len(node.devices) if node.backend != "cpu" else 1)
     child = subprocess.Popen(training_command(job_id, processes),
@@ -63,10 +64,6 @@ def training_command(job_id: str, processes: int) -> list[str]:
         return [sys.executable, "-m", "worker.training", job_id]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
             "-m", "worker.training", job_id]
-
-
-def store_tenant(node: Node, job_id: str) -> str:
-    return node.store.get("ftjob", job_id)["tenant"]
 
 
 def _settle(node: Node, job_id: str, outcome: dict) -> None:

@@ -28,5 +28,5 @@ def retrieve_model(model_id: str, tenant: TenantDep, settings: SettingsDep, stor
     _, ref = resolve(model_id, tenant, settings, store)
     if ref is None:
         return _model(model_id, 0, "xpu-jobs")
-    return next(m for m in _fine_tuned(store, tenant) if m["id"] == model_id) if ref.checkpoint_step is None \
-        else _model(model_id, 0, tenant)
+    job = store.get("ftjob", ref.job_id, tenant)
+    return _model(model_id, job["finished_at"], tenant)
