@@ -102,6 +102,13 @@ class RecordStore:
         """Atomically add to an integer field (stored as JSON, so a plain integer string)."""
         return self.redis.hincrby(_key(kind, record_id), field, amount)
 
+    def add_counts(self, kind: str, record_id: str, counts: dict[str, int]) -> None:
+        """Several incr in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for field, amount in counts.items():
+            pipe.hincrby(_key(kind, record_id), field, amount)
+        pipe.execute()
+
     def delete(self, kind: str, record_id: str, tenant: str) -> None:
         pipe = self.redis.pipeline()
         pipe.delete(_key(kind, record_id))

@@ -3,6 +3,7 @@ bases and adapters), results are written to the chunk's own output and error fil
 settle finalises the batch."""
 
 import json
+from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from pydantic import ValidationError
@@ -47,10 +48,12 @@ def run_chunk(node: Node, chunk_id: str) -> None:
     pending: dict[int, tuple[str, dict, str, object, Future]] = {}
     expired = now() > batch["expires_at"]
 
+    progress: Counter[str] = Counter()  # flushed to the chunk record once per wake-up, not once per line
+
     def fail(position: int, custom_id: str | None, code: str, message: str) -> None:
         results[position] = _error_line(custom_id, code, message)
         failed_positions.add(position)
-        store.incr("chunk", chunk_id, "failed")
+        progress["failed"] += 1
 
     for position, (number, line) in enumerate(mine):
         custom_id, body, problem = batches.parse_line(line, number, endpoint)
@@ -73,6 +76,8 @@ def run_chunk(node: Node, chunk_id: str) -> None:
             fail(position, custom_id, exc.code, f"line {number}: {exc}")
 
     cancelled = False
+    store.add_counts("chunk", chunk_id, progress)
+    progress.clear()
     while pending:
         wait([entry[4] for entry in pending.values()], timeout=POLL_SECONDS, return_when=FIRST_COMPLETED)
         if not cancelled and events.cancel_requested(redis, batch_id):
@@ -93,9 +98,10 @@ def run_chunk(node: Node, chunk_id: str) -> None:
                                  "response": {"status_code": 200, "request_id": request_id,
                                               "body": _body(endpoint, request_id, request["model"], done,
                                                             request)}}
-            store.incr("chunk", chunk_id, "completed")
-            store.incr("chunk", chunk_id, "input_tokens", done["prompt_tokens"])
-            store.incr("chunk", chunk_id, "output_tokens", done["completion_tokens"])
+            progress.update(completed=1, input_tokens=done["prompt_tokens"], output_tokens=done["completion_tokens"])
+        if progress:
+            store.add_counts("chunk", chunk_id, progress)
+            progress.clear()
 
     out_path, err_path = batches.chunk_files(settings.artifact_root, tenant, batch_id, chunk["index"])
     ordered = sorted(results)
