@@ -2,6 +2,8 @@
 requeued and finishes, resumed from its checkpoint."""
 
 import json
+import os
+import signal
 import time
 
 import httpx
@@ -69,5 +71,28 @@ def test_worker_killed_mid_fine_tune_is_requeued_and_resumed(client_a, workers, 
         assert any(m.startswith("Requeued (attempt 2)") for m in messages)
         resumed = [m for m in messages if m.startswith("Resumed from checkpoint at step")]
         assert resumed and int(resumed[0].rsplit(" ", 1)[1]) >= step
+    finally:
+        workers[workers.index(victim)] = start_worker(victim.name)
+
+
+def test_worker_stopped_mid_fine_tune_checkpoints_and_hands_the_job_on(client_a, workers, start_worker):
+    """SIGTERM (a deploy or a scale-down): Celery's warm shutdown; the job saves a checkpoint at once, goes back
+    on a queue without counting an attempt, and another worker resumes it from there."""
+    job = long_job(client_a, max_steps=60)
+    first_checkpoint(client_a, job.id)
+    node = node_running(client_a, job.id)
+    victim = next(w for w in workers if node.startswith(w.name + "@"))
+    os.kill(victim.proc.pid, signal.SIGTERM)  # the node process only, as a container stop does
+    try:
+        assert victim.proc.wait(60) == 0
+        messages = [e.message for e in client_a.fine_tuning.jobs.list_events(job.id, limit=1000)]
+        handed_on = [m for m in messages if m.startswith(f"Worker {node} is shutting down: checkpoint saved")]
+        assert handed_on, messages
+        step = int(handed_on[0].split("step ")[1].split(",")[0])
+        job = wait_for_job(client_a, job.id, timeout=240)
+        assert job.status == "succeeded", job.error
+        assert job.attempts == 1
+        messages = [e.message for e in client_a.fine_tuning.jobs.list_events(job.id, limit=1000)]
+        assert f"Resumed from checkpoint at step {step}" in messages
     finally:
         workers[workers.index(victim)] = start_worker(victim.name)

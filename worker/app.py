@@ -39,6 +39,12 @@ def _start_node(**_):
     _state["reconciler"].start()
 
 
+@signals.worker_shutting_down.connect
+def _preempt_training(**_):
+    if "node" in _state:
+        _state["node"].stopping.set()
+
+
 @signals.worker_shutdown.connect
 def _stop_node(**_):
     if "reconciler" in _state:

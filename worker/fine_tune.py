@@ -7,6 +7,7 @@ the node dies, the lease lapses and the reconciler requeues the job.
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,6 +18,8 @@ from contract import events
 from contract.layout import job_dir
 from contract.queues import TASK_FINE_TUNE
 from contract.records import now
+from contract.registry import live_workers
+from contract.routing import NoCapableWorker, Requirement, choose_queue
 from worker.node import Node
 
 
@@ -36,7 +39,7 @@ def run_fine_tune(node: Node, celery: Celery, job_id: str) -> None:
         events.emit(redis, job_id, f"Fine-tuning job started on {node.name} (attempt {attempt})",
                     data={"status": "running", "node": node.name})
         outcome = _train_in_child(node, record)
-        _settle(node, job_id, outcome)
+        _settle(node, celery, {**record, "attempts": attempt}, outcome)
     finally:
         node.job_finished(job_id)
         node.training_slot.release()
@@ -49,7 +52,11 @@ def _train_in_child(node: Node, record: dict) -> dict:
     processes = node.settings.training_processes or (len(node.devices) if node.backend != "cpu" else 1)
     child = subprocess.Popen(training_command(job_id, processes),
                              env={**os.environ, "XPUJOBS_NODE_PID": str(os.getpid())})
+    asked_to_stop = False
     while child.poll() is None:  # the node's heartbeat keeps the lease fresh however long the job runs
+        if node.stopping.is_set() and not asked_to_stop:
+            child.send_signal(signal.SIGTERM)  # checkpoint now and stop; torchrun passes it to every rank
+            asked_to_stop = True
         time.sleep(0.5)
     if outcome_path.exists():
         return json.loads(outcome_path.read_text())
@@ -66,9 +73,12 @@ def training_command(job_id: str, processes: int) -> list[str]:
             "-m", "worker.training", job_id]
 
 
-def _settle(node: Node, job_id: str, outcome: dict) -> None:
-    store, redis = node.store, node.redis
+def _settle(node: Node, celery: Celery, record: dict, outcome: dict) -> None:
+    store, redis, job_id = node.store, node.redis, record["id"]
     status = outcome["status"]
+    if status == "preempted":
+        _requeue_preempted(node, celery, record)
+        return
     fields = {"status": status, "finished_at": now(), "estimated_finish": None}
     for key in ("fine_tuned_model", "trained_tokens", "result_files", "error"):
         if key in outcome:
@@ -79,3 +89,20 @@ def _settle(node: Node, job_id: str, outcome: dict) -> None:
         message = {"succeeded": "The job has successfully completed", "cancelled": "The job was cancelled",
                    "failed": f"The job failed: {(outcome.get('error') or {}).get('message')}"}[status]
         events.emit(redis, job_id, message, level=level, data={"status": status})
+
+
+def _requeue_preempted(node: Node, celery: Celery, record: dict) -> None:
+    """The node is shutting down and the job saved a checkpoint: back on a queue at once, and the attempt is
+    not counted, since the job did not fail."""
+    job_id = record["id"]
+    try:
+        queue = choose_queue([w for w in live_workers(node.redis) if w["node"] != node.name],
+                             Requirement(bf16=bool(record.get("bf16"))))
+    except NoCapableWorker:
+        queue = record["queue"]  # no other worker now: wait on the queue for this one's replacement
+    if node.store.transition("ftjob", job_id, ["running"], {"status": "queued", "queue": queue,
+                                                            "attempts": record["attempts"] - 1}):
+        step = max((c["step_number"] for c in node.store.get("ftjob", job_id).get("checkpoints", [])), default=0)
+        events.emit(node.redis, job_id, f"Worker {node.name} is shutting down: checkpoint saved at step {step}, "
+                                        "job requeued", level="warn", data={"status": "queued", "step": step})
+        celery.send_task(TASK_FINE_TUNE, args=[job_id], queue=queue, task_id=f"{job_id}-p{now()}")

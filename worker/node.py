@@ -26,6 +26,8 @@ class Node:
         self.training_slot = threading.Lock()  # one fine-tune at a time per device group
         self.reporters: list[Callable[[], dict]] = []  # more to publish in the registry (loaded models)
         self._stop = threading.Event()
+        # Set when the node begins its warm shutdown: running fine-tunes checkpoint, stop and go back on a queue.
+        self.stopping = threading.Event()
         self._lock = threading.Lock()
 
     def info(self) -> dict:

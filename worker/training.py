@@ -8,7 +8,9 @@ import csv
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +24,8 @@ from worker import devices
 from worker.models import ModelLoadError, load_model_and_tokenizer
 
 CANCEL_CHECK_SECONDS = 1.0
+# Set by SIGTERM (the node's warm shutdown): save a checkpoint and stop, to be resumed elsewhere.
+preempted = threading.Event()
 
 
 class JobFailed(Exception):
@@ -70,16 +74,16 @@ def node_alive() -> bool:
     return True
 
 
-def agreed(flag: bool, device) -> bool:
-    """True on every rank if it is true on any: ranks must stop at the same step or collectives hang."""
+def agreed(flags: list[bool], device) -> list[bool]:
+    """Each flag true on every rank if it is true on any: ranks must stop at the same step or collectives hang."""
     import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return flag
-    value = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+        return flags
+    values = torch.tensor([1.0 if f else 0.0 for f in flags], device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in values.tolist()]
 
 
 def make_callback(job: dict, store: RecordStore, settings: Settings):
@@ -94,6 +98,7 @@ def make_callback(job: dict, store: RecordStore, settings: Settings):
 
         def __init__(self):
             self.cancelled = False
+            self.preempted = False
             self.last_check = 0.0
             self.started = time.monotonic()
             self.first_step = None
@@ -130,8 +135,9 @@ def make_callback(job: dict, store: RecordStore, settings: Settings):
             if state.is_world_process_zero and time.monotonic() - self.last_check >= CANCEL_CHECK_SECONDS:
                 self.last_check = time.monotonic()
                 asked = events.cancel_requested(redis, job_id)
-            if agreed(asked, args.device):
-                self.cancelled = True
+            cancel, preempt = agreed([asked, preempted.is_set()], args.device)
+            if cancel or preempt:
+                self.cancelled, self.preempted = cancel, preempt and not cancel
                 control.should_training_stop = True
                 control.should_save = True
 
@@ -202,6 +208,8 @@ def train(job: dict, store: RecordStore, settings: Settings, backend: str) -> di
     trainer.train(resume_from_checkpoint=_resume_point(job, out))
     if callback.cancelled:
         return {"status": "cancelled"}
+    if callback.preempted:
+        return {"status": "preempted"}
     if not trainer.is_world_process_zero():
         return {"status": "succeeded"}  # the main process saves and reports
     adapter = adapter_dir(settings.artifact_root, tenant, job_id)
@@ -245,6 +253,9 @@ def _write_results_file(store: RecordStore, settings: Settings, job: dict, metri
 
 
 def main(job_id: str) -> int:
+    # Ctrl-C in the terminal of `xpu-jobs up` reaches the whole process group: the node decides, not us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: preempted.set())
     settings = Settings()
     store = RecordStore(sync_client(settings))
     job = store.get("ftjob", job_id)
