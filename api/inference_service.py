@@ -9,7 +9,7 @@ from celery import Celery
 from api.catalog import resolve
 from api.errors import APIError
 from contract import events
-from contract.queues import TASK_INFERENCE
+from contract.queues import publish
 from contract.records import RecordStore, new_id, now
 from contract.registry import live_workers
 from contract.routing import NoCapableWorker, choose_queue, inference_requirement
@@ -34,7 +34,7 @@ def submit(kind: str, tenant: str, request: dict, *, settings: Settings, store: 
     }
     store.create(kind, record)
     store.track(kind, record["id"])
-    celery.send_task(TASK_INFERENCE, args=[kind, record["id"]], queue=queue, task_id=record["id"])
+    publish(celery, store, kind, record["id"], queue)
     return record
 
 

@@ -5,11 +5,14 @@ The API only publishes by name (send_task); it never imports worker code.
 
 from celery import Celery
 
+from contract.records import RecordStore, now
 from contract.settings import Settings
 
 TASK_FINE_TUNE = "xpujobs.fine_tune"
 TASK_INFERENCE = "xpujobs.inference"
 TASK_BATCH_CHUNK = "xpujobs.batch_chunk"
+# The task that runs each kind of record.
+TASK_OF = {"ftjob": TASK_FINE_TUNE, "response": TASK_INFERENCE, "chat": TASK_INFERENCE, "chunk": TASK_BATCH_CHUNK}
 
 
 def backend_queue(backend: str) -> str:
@@ -39,3 +42,13 @@ def make_celery(settings: Settings, main: str = "xpujobs") -> Celery:
         task_send_sent_event=True,
     )
     return app
+
+
+def publish(celery: Celery, store: RecordStore, kind: str, record_id: str, queue: str, *,
+            countdown: float | None = None) -> None:
+    """Put a record's task on a queue, then note that it got there: the reconciler re-publishes a queued record
+    whose publisher died in between. A second delivery is harmless, since a task claims its record by
+    compare-and-set."""
+    args = [record_id] if kind in ("ftjob", "chunk") else [kind, record_id]
+    celery.send_task(TASK_OF[kind], args=args, queue=queue, countdown=countdown)
+    store.update(kind, record_id, {"published_at": now()})

@@ -16,7 +16,7 @@ from celery import Celery
 
 from contract import events
 from contract.layout import job_dir
-from contract.queues import TASK_FINE_TUNE
+from contract.queues import publish
 from contract.records import now
 from contract.registry import live_workers
 from contract.routing import NoCapableWorker, Requirement, choose_queue
@@ -30,7 +30,7 @@ def run_fine_tune(node: Node, celery: Celery, job_id: str) -> None:
         return  # cancelled while queued, or already claimed by another delivery
     if not node.training_slot.acquire(blocking=False):
         # This node is training already: hand the job back to the queue for a free worker.
-        celery.send_task(TASK_FINE_TUNE, args=[job_id], queue=record["queue"], countdown=2)
+        publish(celery, node.store, "ftjob", job_id, record["queue"], countdown=2)
         return
     try:
         attempt = int(record.get("attempts") or 0) + 1
@@ -105,4 +105,4 @@ def _requeue_preempted(node: Node, celery: Celery, record: dict) -> None:
         step = max((c["step_number"] for c in node.store.get("ftjob", job_id).get("checkpoints", [])), default=0)
         events.emit(node.redis, job_id, f"Worker {node.name} is shutting down: checkpoint saved at step {step}, "
                                         "job requeued", level="warn", data={"status": "queued", "step": step})
-        celery.send_task(TASK_FINE_TUNE, args=[job_id], queue=queue, task_id=f"{job_id}-p{now()}")
+        publish(celery, node.store, "ftjob", job_id, queue)

@@ -10,19 +10,14 @@ import threading
 from celery import Celery
 
 from contract import events
-from contract.queues import TASK_BATCH_CHUNK, TASK_FINE_TUNE, TASK_INFERENCE
+from contract.queues import TASK_OF, publish
 from contract.records import RecordStore, now
 from contract.redis_conn import sync_client
 from contract.registry import is_live, live_workers
 from contract.routing import NoCapableWorker, Requirement, choose_queue
 from contract.settings import Settings
 
-TASKS = {"ftjob": TASK_FINE_TUNE, "response": TASK_INFERENCE, "chat": TASK_INFERENCE, "chunk": TASK_BATCH_CHUNK}
 RUNNING = {"ftjob": "running", "response": "in_progress", "chat": "in_progress", "chunk": "in_progress"}
-
-
-def task_args(kind: str, record_id: str) -> list:
-    return [record_id] if kind in ("ftjob", "chunk") else [kind, record_id]
 
 
 class Reconciler:
@@ -49,7 +44,7 @@ class Reconciler:
                 print(f"xpu-jobs reconciler: {exc}", flush=True)
 
     def run_once(self) -> None:
-        for kind in TASKS:
+        for kind in TASK_OF:
             for record_id in self.store.tracked(kind):
                 record = self.store.get(kind, record_id)
                 if record is None or record["status"] not in ("queued", RUNNING[kind]):
@@ -59,6 +54,10 @@ class Reconciler:
                 elif record["status"] == "queued" and record.get("queue", "").startswith("xpujobs.node.") \
                         and not is_live(self.redis, record["queue"].removeprefix("xpujobs.node.")):
                     self._requeue(kind, record, "the worker it was routed to is gone", running=False)
+                elif record["status"] == "queued" and not record.get("published_at") \
+                        and now() - int(record.get("created_at") or 0) > self.settings.lease_seconds:
+                    # Its publisher died between writing the record and publishing the task.
+                    publish(self.celery, self.store, kind, record_id, record["queue"])
 
     def _requeue(self, kind: str, record: dict, why: str, running: bool = True) -> None:
         record_id = record["id"]
@@ -85,5 +84,4 @@ class Reconciler:
         resume = f", resuming from checkpoint step {step}" if step else ""
         events.emit(self.redis, record_id, f"Requeued (attempt {attempts + 1}): {why}{resume}", level="warn",
                     data={"status": "queued"})
-        self.celery.send_task(TASKS[kind], args=task_args(kind, record_id), queue=queue,
-                              task_id=f"{record_id}-{attempts + 1}")
+        publish(self.celery, self.store, kind, record_id, queue)

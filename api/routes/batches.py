@@ -12,7 +12,7 @@ from api.errors import APIError, invalid, not_found
 from api.routes.files import get_file
 from contract import batches, events
 from contract.layout import file_path
-from contract.queues import TASK_BATCH_CHUNK, backend_queue, node_queue
+from contract.queues import backend_queue, node_queue, publish
 from contract.records import new_id, now
 from contract.registry import live_workers
 from contract.routing import NoCapableWorker, Requirement, choose_queue
@@ -127,9 +127,7 @@ def create_batch(body: BatchCreate, tenant: TenantDep, settings: SettingsDep, st
                 data={"status": "in_progress"})
     for index in range(n_chunks):
         store.track("chunk", batches.chunk_id(batch_id, index))
-        celery.send_task(TASK_BATCH_CHUNK, args=[batches.chunk_id(batch_id, index)],
-                         queue=chunk_queues[index % len(chunk_queues)],
-                         task_id=f"{batches.chunk_id(batch_id, index)}-1")
+        publish(celery, store, "chunk", batches.chunk_id(batch_id, index), chunk_queues[index % len(chunk_queues)])
     return to_openai(store, store.get("batch", batch_id))
 
 

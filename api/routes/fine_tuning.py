@@ -12,7 +12,7 @@ from api.protocol.fine_tuning import FineTuningJobCreate, Hyperparameters
 from api.routes.files import get_file
 from contract import events
 from contract.layout import SUFFIX_PATTERN, file_path
-from contract.queues import TASK_FINE_TUNE
+from contract.queues import publish
 from contract.records import new_id, now
 from contract.registry import live_workers
 from contract.routing import NoCapableWorker, choose_queue, training_requirement
@@ -120,7 +120,7 @@ def create_job(body: FineTuningJobCreate, tenant: TenantDep, settings: SettingsD
     store.update("ftjob", job_id, {"status": "queued"})
     store.track("ftjob", job_id)
     events.emit(redis, job_id, "Files validated, job queued", data={"status": "queued"})
-    celery.send_task(TASK_FINE_TUNE, args=[job_id], queue=queue, task_id=f"{job_id}-1")
+    publish(celery, store, "ftjob", job_id, queue)
     return to_openai(store.get("ftjob", job_id))
 
 

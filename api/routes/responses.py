@@ -41,7 +41,7 @@ def retrieve_response(response_id: str, tenant: TenantDep, store: StoreDep):
 
 
 @router.post("/{response_id}/cancel")
-def cancel_response(response_id: str, tenant: TenantDep, store: StoreDep, redis: RedisDep, celery: CeleryDep):
+def cancel_response(response_id: str, tenant: TenantDep, store: StoreDep, redis: RedisDep):
     record = store.get("response", response_id, tenant)
     if record is None:
         raise not_found("response", response_id)
@@ -50,6 +50,7 @@ def cancel_response(response_id: str, tenant: TenantDep, store: StoreDep, redis:
     if record["status"] in TERMINAL:
         return to_openai(record)
     events.request_cancel(redis, response_id)
-    if store.transition("response", response_id, ["queued"], {"status": "cancelled"}):
-        celery.control.revoke(response_id)
+    # Still queued: it never starts, since its task claims the record by compare-and-set. Running: the worker
+    # sees the cancel flag and stops it in the engine.
+    store.transition("response", response_id, ["queued"], {"status": "cancelled"})
     return to_openai(store.get("response", response_id, tenant))

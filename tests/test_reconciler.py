@@ -1,0 +1,23 @@
+"""What the reconciler repairs beyond dead workers: a record whose task never reached the broker."""
+
+import time
+
+from conftest import _wait
+from contract.records import RecordStore, new_id
+
+
+def test_record_whose_publisher_died_is_published(client_a, redis_client):
+    """The API wrote a queued record and died before publishing its task: a worker's reconciler publishes it."""
+    store = RecordStore(redis_client)
+    record_id = new_id("response")
+    request = {"model": "demo-tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+               "temperature": 0, "top_p": None, "seed": None, "stop": [], "attn_implementation": "sdpa"}
+    store.create("response", {"id": record_id, "tenant": "tenant-a", "status": "queued",
+                              "created_at": int(time.time()) - 60, "model": "demo-tiny", "base_model": "demo-tiny",
+                              "adapter_job": None, "adapter_step": None, "request": request,
+                              "queue": "xpujobs.cpu", "background": True, "metadata": {}})
+    store.track("response", record_id)
+    response = _wait(lambda: (r := client_a.responses.retrieve(record_id)).status == "completed" and r, 30,
+                     "the reconciler to publish the record")
+    assert response.usage.output_tokens >= 1
+    assert store.get("response", record_id)["published_at"]
