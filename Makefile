@@ -17,5 +17,6 @@ up: $(STAMP)
 	$(VENV)/bin/xpu-jobs up
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	bash .ci/check_deploy.sh
 	$(VENV)/bin/python -m pytest -q

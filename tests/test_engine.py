@@ -287,3 +287,14 @@ def test_closed_engine_refuses(model, tokenizer):
     eng.close()
     with pytest.raises(RuntimeError):
         eng.submit(greedy([5, 6], "x"))
+
+
+def test_model_spread_over_devices_uses_the_models_own_forward(tiny_dir):
+    """device_map='auto' over a worker's devices: the native path reads weights from one device, so it stands
+    aside for the model's forward, which moves activations between devices itself."""
+    from worker.engine import native_unsupported_reason
+
+    model = load(tiny_dir)
+    assert native_unsupported_reason(model) is None
+    model.hf_device_map = {"model.embed_tokens": 0, "model.layers": 1, "lm_head": 0}
+    assert "several devices" in native_unsupported_reason(model)

@@ -3,6 +3,7 @@
 import time
 
 from conftest import _wait
+
 from contract.records import RecordStore, new_id
 
 

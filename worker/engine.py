@@ -377,6 +377,8 @@ def native_unsupported_reason(model, max_seq_len: int | None = None) -> str | No
         if not all(hasattr(att, p) for p in _PROJECTIONS[:4]) or \
                 not all(hasattr(layer.mlp, p) for p in _PROJECTIONS[4:]):
             return "unexpected layer layout"
+    if len(set(getattr(base, "hf_device_map", {}).values())) > 1:
+        return "weights spread over several devices (device_map='auto'): the model's own forward moves activations"
     if getattr(cfg, "quantization_config", None) is not None:
         return "quantized weights (bitsandbytes): the model's own forward dequantizes them"
     if hasattr(model, "peft_config"):
