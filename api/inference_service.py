@@ -27,7 +27,8 @@ def submit(kind: str, tenant: str, request: dict, *, settings: Settings, store: 
     except NoCapableWorker as exc:
         raise APIError(400, str(exc), param="model", code="no_capable_worker") from None
     record = {
-        "id": new_id(kind), "tenant": tenant, "status": "queued", "created_at": now(), "model": request["model"],
+        "id": new_id(kind), "tenant": tenant, "status": "queued", "created_at": now(),
+        "timings": {"received": time.time()}, "model": request["model"],
         "base_model": base, "adapter_job": ref.job_id if ref else None,
         "adapter_step": ref.checkpoint_step if ref else None, "request": request, "queue": queue,
         **(extra or {}),

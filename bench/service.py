@@ -63,7 +63,7 @@ class Stack:
         self.dir = Path(tempfile.mkdtemp(prefix="xpujobs-bench-"))
         self.model = MODEL_NAME[model]
         write_model(model, self.dir / "models")
-        port = free_port()
+        port, self.redis_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("XPUJOBS_")}
         env.update({
@@ -75,7 +75,7 @@ class Stack:
         })
         self.log = (self.dir / "stack.log").open("wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "up", "--port", str(port),
-                                      "--redis-port", str(free_port()), "--data-dir", str(self.dir)],
+                                      "--redis-port", str(self.redis_port), "--data-dir", str(self.dir)],
                                      env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.http = httpx.Client(base_url=self.url + "/v1", timeout=900)
         deadline = time.monotonic() + 300
@@ -150,12 +150,35 @@ def concurrency(stack: Stack, n: int, new_tokens: int) -> dict:
     sequential = sum(stack.chat(c, new_tokens) for c in contents)
     sequential_s = time.perf_counter() - t
     t = time.perf_counter()
+    wall = time.time()
     with ThreadPoolExecutor(n) as pool:
         concurrent = sum(pool.map(lambda c: stack.chat(c, new_tokens), contents))
     concurrent_s = time.perf_counter() - t
     return {"requests": n, "new_tokens": new_tokens, "sequential_seconds": sequential_s,
             "concurrent_seconds": concurrent_s, "sequential_tokens": sequential, "concurrent_tokens": concurrent,
-            "speedup": sequential_s / concurrent_s}
+            "speedup": sequential_s / concurrent_s, "concurrent_phases": phases(stack, since=wall)}
+
+
+def phases(stack: Stack, since: float) -> dict:
+    """Where the concurrent requests spent their time, from the timings their records hold (medians, and the
+    spread of the moments they reached the engine)."""
+    import redis
+
+    client = redis.Redis(port=stack.redis_port, decode_responses=True)
+    stamps = [json.loads(t) for key in client.scan_iter(match="rec:chat:*", count=1000)
+              if (t := client.hget(key, "timings"))]
+    stamps = [s for s in stamps if s["received"] >= since and "generated" in s]
+
+    def median(values):
+        values = sorted(values)
+        return values[len(values) // 2] if values else None
+
+    return {"requests": len(stamps),
+            "queue_seconds": median([s["claimed"] - s["received"] for s in stamps]),
+            "prepare_seconds": median([s["submitted"] - s["claimed"] for s in stamps]),
+            "generate_seconds": median([s["generated"] - s["submitted"] for s in stamps]),
+            "submit_spread_seconds": max(s["submitted"] for s in stamps) - min(s["submitted"] for s in stamps)
+            if stamps else None}
 
 
 def main(argv=None) -> int:
