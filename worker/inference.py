@@ -180,7 +180,9 @@ def run_request(node: Node, kind: str, record_id: str) -> None:
     """One live request (a response or a chat completion) from its record to its result."""
     store, redis = node.store, node.redis
     record = store.get(kind, record_id)
-    if record is None or not node.claim(kind, record_id, {"status": "in_progress", "node": node.name}):
+    # Attempts count here too: a request that kills its worker (out of memory, say) must not bounce forever.
+    if record is None or not node.claim(kind, record_id, {"status": "in_progress", "node": node.name,
+                                                          "attempts": int(record.get("attempts") or 0) + 1}):
         return
     # Wall-clock stamps (the API wrote "received"), so a slow request shows where its time went.
     timings = {**(record.get("timings") or {}), "claimed": time.time()}

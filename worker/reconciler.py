@@ -1,5 +1,6 @@
 """Requeues work whose worker died: a running job whose lease lapsed goes back on a queue (a fine-tune then
-resumes from its last checkpoint), up to an attempt limit; a queued job routed to a dead node is re-routed.
+resumes from its last checkpoint), up to an attempt limit; a queued job routed to a dead node is re-routed;
+a queued record whose task never reached the broker is published.
 
 Every worker node runs one; a short Redis lock makes one of them act at a time, and every change is a
 compare-and-set on the record, so two reconcilers can never requeue the same job twice.

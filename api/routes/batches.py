@@ -120,13 +120,13 @@ def create_batch(body: BatchCreate, tenant: TenantDep, settings: SettingsDep, st
                                "index": index, "start": index * size, "end": min(len(lines), (index + 1) * size),
                                "status": "queued", "queue": chunk_queues[index % len(chunk_queues)],
                                "attempts": 0, "created_at": created})
+        store.track("chunk", batches.chunk_id(batch_id, index))  # from now on the reconciler publishes it
     store.update("batch", batch_id, {"status": "in_progress", "in_progress_at": now(), "total": len(lines),
                                      "n_chunks": n_chunks, "chunks_settled": 0, "model": first_model})
     store.track("batch", batch_id)
     events.emit(redis, batch_id, f"Batch in progress: {len(lines)} requests in {n_chunks} chunks",
                 data={"status": "in_progress"})
     for index in range(n_chunks):
-        store.track("chunk", batches.chunk_id(batch_id, index))
         publish(celery, store, "chunk", batches.chunk_id(batch_id, index), chunk_queues[index % len(chunk_queues)])
     return to_openai(store, store.get("batch", batch_id))
 
