@@ -86,7 +86,7 @@ def agreed(flags: list[bool], device) -> list[bool]:
     return [bool(v) for v in values.tolist()]
 
 
-def make_callback(job: dict, store: RecordStore, settings: Settings):
+def make_callback(job: dict, store: RecordStore):
     from transformers import TrainerCallback
 
     redis = store.redis
@@ -202,7 +202,7 @@ def train(job: dict, store: RecordStore, settings: Settings, backend: str) -> di
         ddp_backend=devices.DISTRIBUTED_BACKEND[backend] if int(os.environ.get("WORLD_SIZE", 1)) > 1 else None,
         disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0, save_only_model=False,
     )
-    callback = make_callback(job, store, settings)
+    callback = make_callback(job, store)
     trainer = Trainer(model=model, args=args, train_dataset=train_rows, eval_dataset=eval_rows,
                       data_collator=Collator(tokenizer.pad_token_id), callbacks=[callback])
     trainer.train(resume_from_checkpoint=_resume_point(job, out))
