@@ -31,7 +31,7 @@ def test_worker_process_starts_with_the_mask_in_its_environment():
     """A real exec: the node process reads the mask it was started with (and, having no XPU here, stops)."""
     result = launcher("--backend", "xpu", "--devices", "0,2")
     assert result.returncode == 78, result.stdout + result.stderr
-    assert "ZE_AFFINITY_MASK=0,2" in result.stderr
+    assert "ZE_AFFINITY_MASK=0,2, ZE_ENABLE_PCI_ID_DEVICE_ORDER=1" in result.stderr
     assert "torch sees no xpu device" in result.stderr
 
 

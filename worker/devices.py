@@ -93,9 +93,10 @@ def detect_backend(preference: str = "auto") -> str:
 
     if preference != "auto":
         if preference != "cpu" and not _module(preference).is_available():
+            pinning = ", ".join(f"{v}={os.environ.get(v, '<unset>')}"
+                                for v in (MASK_VARIABLE[preference], ORDER_VARIABLE[preference][0]))
             raise RuntimeError(f"backend {preference!r} was configured but torch sees no {preference} device "
-                               f"(torch {torch.__version__}; {MASK_VARIABLE.get(preference)}="
-                               f"{os.environ.get(MASK_VARIABLE.get(preference, ''), '<unset>')})")
+                               f"(torch {torch.__version__}; {pinning})")
         return preference
     for backend in ("xpu", "cuda"):
         module = getattr(torch, backend, None)
