@@ -41,16 +41,19 @@ def submit(kind: str, tenant: str, request: dict, *, settings: Settings, store: 
 
 async def wait_for(record_id: str, kind: str, *, store: RecordStore, client: aioredis.Redis,
                    timeout: float) -> dict:
-    """Block (without holding a thread) until the worker says the request finished, then read it."""
-    # Short BLPOPs in a loop: one long one would outlast the client's socket timeout (5 s by default).
+    """Block (without holding a thread) until the request has finished, then read it.
+
+    A done signal whose record is not finished (it was requeued meanwhile) means: keep waiting. Short BLPOPs in
+    a loop, since one long one would outlast the client's socket timeout (5 s by default)."""
     deadline = time.monotonic() + timeout
-    got = None
-    while got is None and time.monotonic() < deadline:
-        got = await client.blpop([events.done_key(record_id)], timeout=max(0.01, min(1.0, deadline - time.monotonic())))
+    while (remaining := deadline - time.monotonic()) > 0:
+        if await client.blpop([events.done_key(record_id)], timeout=max(0.01, min(1.0, remaining))):
+            record = await asyncio.to_thread(store.get, kind, record_id)
+            if record["status"] in TERMINAL:
+                return record
     record = await asyncio.to_thread(store.get, kind, record_id)
-    if got is None and record["status"] not in TERMINAL:
-        events.request_cancel(store.redis, record_id)
-        store.transition(kind, record_id, ["queued"], {"status": "cancelled"})
-        raise APIError(504, f"The request did not finish within {timeout:.0f} s and was cancelled.",
-                       code="timeout")
-    return record
+    if record["status"] in TERMINAL:
+        return record
+    events.request_cancel(store.redis, record_id)
+    store.transition(kind, record_id, ["queued"], {"status": "cancelled"})
+    raise APIError(504, f"The request did not finish within {timeout:.0f} s and was cancelled.", code="timeout")

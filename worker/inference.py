@@ -44,14 +44,26 @@ class ModelCache:
         self.settings = settings
         self.backend = backend
         self._models: OrderedDict[tuple[str, str, str, bool], LoadedModel] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the dict only, never held while loading
+        self._loading: dict[tuple[str, str, str, bool], threading.Lock] = {}
 
-    def get(self, base: str, attn_implementation: str, quantization: str, use_kernels: bool) -> LoadedModel:
-        key = (base, attn_implementation, quantization, use_kernels)
+    def _cached(self, key) -> LoadedModel | None:
         with self._lock:
             if key in self._models:
                 self._models.move_to_end(key)
                 return self._models[key]
+            return None
+
+    def get(self, base: str, attn_implementation: str, quantization: str, use_kernels: bool) -> LoadedModel:
+        key = (base, attn_implementation, quantization, use_kernels)
+        if loaded := self._cached(key):
+            return loaded
+        with self._lock:
+            loading = self._loading.setdefault(key, threading.Lock())
+        # One load per key; requests for models already loaded (and the heartbeat) never wait for it.
+        with loading:
+            if loaded := self._cached(key):
+                return loaded
             try:
                 model, tokenizer = load_model_and_tokenizer(base, self.settings, self.backend,
                                                             attn_implementation=attn_implementation,
@@ -59,15 +71,18 @@ class ModelCache:
             except ModelLoadError as exc:
                 raise RequestFailed(exc.code, str(exc)) from None
             nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-            while self._models and sum(m.nbytes for m in self._models.values()) + nbytes > \
-                    self.settings.model_cache_bytes:
-                self._models.popitem(last=False)[1].engine.close()
+            with self._lock:
+                while self._models and sum(m.nbytes for m in self._models.values()) + nbytes > \
+                        self.settings.model_cache_bytes:
+                    self._models.popitem(last=False)[1].engine.close()
             context = getattr(model.config, "max_position_embeddings", None)
             engine = Engine(model, tokenizer, device=devices.torch_device(self.backend),
                             memory_budget_bytes=self.settings.engine_memory_bytes,
                             max_batch_size=self.settings.engine_max_batch_size,
                             max_seq_len=min(self.settings.engine_max_seq_len, context or 1 << 30))
-            loaded = self._models[key] = LoadedModel(engine, tokenizer, context, nbytes)
+            loaded = LoadedModel(engine, tokenizer, context, nbytes)
+            with self._lock:
+                self._models[key] = loaded
             return loaded
 
     @staticmethod

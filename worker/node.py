@@ -57,11 +57,12 @@ class Node:
         events.release_lease(self.redis, job_id, self.name)
 
     def heartbeat(self) -> None:
-        registry.register(self.redis, self.name, self.info(), self.settings.lease_seconds)
+        # Leases first: they are what keeps running work from being requeued.
         with self._lock:
             jobs = list(self.current_jobs)
         for job_id in jobs:
             events.refresh_lease(self.redis, job_id, self.name, self.settings.lease_seconds)
+        registry.register(self.redis, self.name, self.info(), self.settings.lease_seconds)
 
     def start(self) -> None:
         self.heartbeat()
