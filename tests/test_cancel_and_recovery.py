@@ -71,6 +71,9 @@ def test_worker_killed_mid_fine_tune_is_requeued_and_resumed(client_a, workers, 
         assert any(m.startswith("Requeued (attempt 2)") for m in messages)
         resumed = [m for m in messages if m.startswith("Resumed from checkpoint at step")]
         assert resumed and int(resumed[0].rsplit(" ", 1)[1]) >= step
+        # The result file covers both attempts: every step once.
+        rows = client_a.files.content(job.result_files[0]).text.splitlines()[1:]
+        assert [int(row.split(",")[0]) for row in rows] == list(range(1, 41))
     finally:
         workers[workers.index(victim)] = start_worker(victim.name)
 

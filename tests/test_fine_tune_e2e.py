@@ -93,3 +93,14 @@ def test_idempotency_key_returns_the_first_job(client_a, training_file):
                                               hyperparameters={"n_epochs": 1}, extra_headers=headers)
     assert first.id == second.id
     assert wait_for_job(client_a, first.id).status == "succeeded"
+
+
+def test_jobs_listed_by_metadata(client_a, training_file):
+    tagged = client_a.fine_tuning.jobs.create(model="demo-tiny", training_file=training_file.id,
+                                              hyperparameters={"n_epochs": 1}, metadata={"team": "search"})
+    other = client_a.fine_tuning.jobs.create(model="demo-tiny", training_file=training_file.id,
+                                             hyperparameters={"n_epochs": 1}, metadata={"team": "ads"})
+    found = [j.id for j in client_a.fine_tuning.jobs.list(metadata={"team": "search"})]
+    assert tagged.id in found and other.id not in found
+    for job in (tagged, other):
+        assert wait_for_job(client_a, job.id).status == "succeeded"

@@ -216,7 +216,7 @@ def train(job: dict, store: RecordStore, settings: Settings, backend: str) -> di
     model.save_pretrained(adapter, safe_serialization=True)
     tokenizer.save_pretrained(adapter)
     trained_tokens = sum(len(r["input_ids"]) for r in train_rows) * hp["n_epochs"]
-    results_file = _write_results_file(store, settings, job, callback.metrics, trainer)
+    results_file = _write_results_file(store, settings, job, trainer)
     return {"status": "succeeded", "fine_tuned_model": fine_tuned_model_id(job["model"], job.get("suffix"), job_id),
             "trained_tokens": trained_tokens, "result_files": [results_file]}
 
@@ -235,8 +235,12 @@ def _resume_point(job: dict, out: Path) -> str | None:
     return str(max(complete)[1]) if complete else None
 
 
-def _write_results_file(store: RecordStore, settings: Settings, job: dict, metrics: list[dict], trainer) -> str:
-    """OpenAI's result file: a CSV of per-step metrics, stored as a file of purpose fine-tune-results."""
+def _write_results_file(store: RecordStore, settings: Settings, job: dict, trainer) -> str:
+    """OpenAI's result file: a CSV of per-step metrics, stored as a file of purpose fine-tune-results. The steps
+    come from the job's event stream, so a resumed job lists the steps of its earlier attempts too (a step
+    repeated after a resume keeps its last value)."""
+    by_step = {e["data"]["step"]: e["data"] for e in events.read_all(store.redis, job["id"]) if e["type"] == "metrics"}
+    metrics = [by_step[step] for step in sorted(by_step)]
     evals = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
     file_id = new_id("file")
     path = file_path(settings.artifact_root, job["tenant"], file_id)

@@ -3,7 +3,7 @@
 import secrets
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query
+from fastapi import APIRouter, Header, Query, Request
 
 from api.catalog import resolve
 from api.deps import CeleryDep, RedisDep, SettingsDep, StoreDep, TenantDep
@@ -124,10 +124,30 @@ def create_job(body: FineTuningJobCreate, tenant: TenantDep, settings: SettingsD
     return to_openai(store.get("ftjob", job_id))
 
 
+def _metadata_filter(request: Request) -> dict[str, str] | None:
+    """OpenAI's `metadata[key]=value` query (all must match); `metadata=null` means jobs without metadata."""
+    if request.query_params.get("metadata") == "null":
+        return {}
+    wanted = {k[9:-1]: v for k, v in request.query_params.items() if k.startswith("metadata[") and k.endswith("]")}
+    return wanted or None
+
+
+def _matches(metadata: dict[str, str], wanted: dict[str, str]) -> bool:
+    return all(metadata.get(k) == v for k, v in wanted.items()) if wanted else not metadata
+
+
 @router.get("")
-def list_jobs(tenant: TenantDep, store: StoreDep, after: str | None = None,
+def list_jobs(request: Request, tenant: TenantDep, store: StoreDep, after: str | None = None,
               limit: Annotated[int, Query(ge=1, le=100)] = 20):
-    records, has_more = store.page("ftjob", tenant, after, limit)
+    wanted = _metadata_filter(request)
+    if wanted is None:
+        records, has_more = store.page("ftjob", tenant, after, limit)
+    else:
+        everything, _ = store.page("ftjob", tenant, None, 10**9)
+        matching = [r for r in everything if _matches(r.get("metadata") or {}, wanted)]
+        ids = [r["id"] for r in matching]
+        start = ids.index(after) + 1 if after in ids else 0
+        records, has_more = matching[start:start + limit], len(matching) > start + limit
     return {"object": "list", "data": [to_openai(r) for r in records], "has_more": has_more}
 
 
