@@ -7,7 +7,7 @@ attn_implementation}.
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 Attention = Literal["sdpa", "eager", "flash_attention_2"]
 DEFAULT_MAX_TOKENS = 256
@@ -29,7 +29,29 @@ class Message(BaseModel):
         return {"role": "system" if self.role == "developer" else self.role, "content": text_of(self.content)}
 
 
+def _unencodable(value) -> bool:
+    """True if any string inside cannot be UTF-8 (a lone surrogate from JSON's \\ud800 escapes)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_unencodable(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_unencodable(v) for v in value)
+    return False
+
+
 class Sampling(BaseModel):
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_utf8(cls, data):
+        if _unencodable(data):
+            raise ValueError("text must be valid Unicode (a lone surrogate such as \\udcff cannot be encoded)")
+        return data
+
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = None

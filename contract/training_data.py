@@ -35,8 +35,20 @@ def parse_jsonl(data: bytes) -> tuple[list[tuple[int, dict]], list[str]]:
     return objects, errors
 
 
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False  # a lone surrogate from a \\ud800-style JSON escape
+    return True
+
+
 def example_error(obj: dict) -> str | None:
     """Why one training line is unusable, or None."""
+    texts = [m.get("content") for m in obj.get("messages") or [] if isinstance(m, dict)] + \
+        [obj.get("prompt"), obj.get("completion")]
+    if any(isinstance(t, str) and not _utf8(t) for t in texts):
+        return "text must be valid Unicode (it holds a lone surrogate escape)"
     if "messages" in obj:
         messages = obj["messages"]
         if not isinstance(messages, list) or not messages:

@@ -138,3 +138,15 @@ def test_cancel_finished_job_is_a_conflict(client_a):
         model="demo-tiny", training_file=upload.id, hyperparameters={"n_epochs": 1}).id)
     with pytest.raises(openai.ConflictError):
         client_a.fine_tuning.jobs.cancel(job.id)
+
+
+def test_text_that_is_not_unicode(client_a, http_a):
+    """JSON can carry a lone surrogate (\\udcff) that no tokenizer can encode: a 400, not a server error."""
+    reply = http_a.post("/v1/chat/completions", content=b'{"model": "demo-tiny", "max_tokens": 2, '
+                                                         b'"messages": [{"role": "user", "content": "\\udcff"}]}',
+                        headers={"Content-Type": "application/json"})
+    assert reply.status_code == 400 and "Unicode" in reply.json()["error"]["message"]
+    lines = GOOD + b'\n{"prompt": "a\\udcff", "completion": "b"}'
+    upload = client_a.files.create(file=("surrogate.jsonl", lines), purpose="fine-tune")
+    job = client_a.fine_tuning.jobs.create(model="demo-tiny", training_file=upload.id)
+    assert job.status == "failed" and "line 2" in job.error.message and "Unicode" in job.error.message
