@@ -5,11 +5,14 @@ turn a body into one normal form: {model, messages | prompt, max_tokens, tempera
 attn_implementation}.
 """
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, StringConstraints, model_validator
 
 Attention = Literal["sdpa", "eager", "flash_attention_2"]
+# OpenAI's limits: at most 16 pairs, keys up to 64 characters, values up to 512.
+Metadata = Annotated[dict[Annotated[str, StringConstraints(max_length=64)],
+                          Annotated[str, StringConstraints(max_length=512)]], Field(max_length=16)]
 DEFAULT_MAX_TOKENS = 256
 
 
@@ -78,7 +81,7 @@ class ResponseCreate(Sampling):
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1, le=32768)
     background: bool = False
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
 
     def normal(self) -> dict:
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []

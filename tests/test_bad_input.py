@@ -150,3 +150,13 @@ def test_text_that_is_not_unicode(client_a, http_a):
     upload = client_a.files.create(file=("surrogate.jsonl", lines), purpose="fine-tune")
     job = client_a.fine_tuning.jobs.create(model="demo-tiny", training_file=upload.id)
     assert job.status == "failed" and "line 2" in job.error.message and "Unicode" in job.error.message
+
+
+def test_metadata_limits(client_a):
+    upload = client_a.files.create(file=("a.jsonl", GOOD), purpose="fine-tune")
+    before = job_ids(client_a)
+    for metadata in ({f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}):
+        with pytest.raises(openai.BadRequestError) as exc:
+            client_a.fine_tuning.jobs.create(model="demo-tiny", training_file=upload.id, metadata=metadata)
+        assert_openai_error(exc.value, 400)
+    assert job_ids(client_a) == before

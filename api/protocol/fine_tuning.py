@@ -2,6 +2,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from contract.inference_requests import Metadata
+
 Auto = Literal["auto"]
 
 
@@ -36,7 +38,7 @@ class FineTuningJobCreate(BaseModel):
     validation_file: str | None = None
     suffix: str | None = Field(None, max_length=64)
     seed: int | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     hyperparameters: Hyperparameters | None = None
     method: Method | None = None
     # Extensions (send them with the openai client through extra_body).

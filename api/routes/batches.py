@@ -5,12 +5,13 @@ import json
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Header, Query
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from api.deps import CeleryDep, RedisDep, SettingsDep, StoreDep, TenantDep
 from api.errors import APIError, invalid, not_found
 from api.routes.files import get_file
 from contract import batches, events
+from contract.inference_requests import Metadata
 from contract.layout import file_path
 from contract.queues import backend_queue, node_queue, publish
 from contract.records import new_id, now
@@ -26,7 +27,7 @@ class BatchCreate(BaseModel):
     input_file_id: str
     endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"]
     completion_window: Literal["24h"]
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    metadata: Metadata | None = None
 
 
 def to_openai(store, record: dict) -> dict:
