@@ -77,7 +77,7 @@ def _stops(stop: str | list[str] | None) -> list[str]:
 
 class ResponseCreate(Sampling):
     model: str
-    input: str | list[Message]
+    input: str | Annotated[list[Message], Field(min_length=1)]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1, le=32768)
     background: bool = False

@@ -80,6 +80,8 @@ def test_negative_token_counts(client_a):
     with pytest.raises(openai.BadRequestError) as exc:
         client_a.responses.create(model="demo-tiny", input="Hi", max_output_tokens=-1)
     assert_openai_error(exc.value, 400, "max_output_tokens")
+    with pytest.raises(openai.BadRequestError):
+        client_a.responses.create(model="demo-tiny", input=[])
     with pytest.raises(openai.BadRequestError) as exc:
         client_a.fine_tuning.jobs.create(model="demo-tiny", training_file="file-x",
                                          hyperparameters={"n_epochs": -3})
