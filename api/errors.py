@@ -44,3 +44,21 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
         return JSONResponse(_body(exc.status_code, str(exc.detail), None, None), status_code=exc.status_code)
+
+
+class DeclaredBodyLimit:
+    """Refuse a request whose declared Content-Length is over the limit before reading any of it, in OpenAI's
+    error shape. (FastAPI's max_body_size stays as the backstop for bodies sent without a length.)"""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            length = dict(scope["headers"]).get(b"content-length", b"")
+            if length.isdigit() and int(length) > self.max_bytes:
+                message = f"The request body is larger than the limit of {self.max_bytes} bytes."
+                response = JSONResponse(_body(413, message, None, "request_too_large"), status_code=413)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

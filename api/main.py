@@ -1,4 +1,4 @@
-"""The FastAPI application. It never imports torch or any model library."""
+"""The FastAPI application (wrapped in the body-size guard). It never imports torch or any model library."""
 
 from contextlib import asynccontextmanager
 
@@ -12,7 +12,7 @@ from contract.redis_conn import async_client, sync_client
 from contract.settings import Settings
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None) -> errors.DeclaredBodyLimit:
     settings = settings or Settings()
     if not settings.redis_url:
         raise RuntimeError("XPUJOBS_REDIS_URL is not set (`xpu-jobs up` starts an embedded Redis and sets it)")
@@ -30,7 +30,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         yield
         await app.state.aioredis.aclose()
 
-    app = FastAPI(title="xpu-jobs", version="0.1.0", lifespan=lifespan)
+    # Bodies are cut off as they stream in, before anything is spooled to disk; the slack is multipart's framing
+    # (the upload route checks the file's own size exactly).
+    body_limit = settings.max_upload_bytes + 1024 * 1024
+    app = FastAPI(title="xpu-jobs", version="0.1.0", lifespan=lifespan, max_body_size=body_limit)
     errors.install(app)
     for module in (files, fine_tuning, batches, responses, chat, models, workers):
         app.include_router(module.router)
@@ -40,4 +43,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.store.redis.ping()
         return {"status": "ok"}
 
-    return app
+    # Outermost, so a declared oversize body gets OpenAI's error shape before FastAPI's own limit answers.
+    return errors.DeclaredBodyLimit(app, body_limit)

@@ -40,6 +40,10 @@ def test_oversize_upload(client_a, stack_dir):
     with pytest.raises(openai.APIStatusError) as exc:
         client_a.files.create(file=("big.jsonl", (GOOD + b"\n") * 20000), purpose="fine-tune")
     assert_openai_error(exc.value, 413, "file")
+    # Far over the limit: refused while the body streams in.
+    with pytest.raises(openai.APIStatusError) as exc:
+        client_a.files.create(file=("huge.jsonl", (GOOD + b"\n") * 60000), purpose="fine-tune")
+    assert_openai_error(exc.value, 413)
     assert file_ids(client_a) == before
     assert not list((stack_dir / "artifacts").rglob("*.partial"))
 
