@@ -979,6 +979,20 @@ class Engine:
         xl = x[torch.arange(n, device=x.device), last]
         return F.linear(_rms(xl, nat.norm, nat.eps), nat.lm_head, nat.lm_bias).float()
 
+    def _qkv_into_cache(self, h, layer, mask, pos, idx, kc, vc):
+        """The fused paths' attention inputs for the token rows of `h`: q and k normed and rotated at `pos`,
+        k and v written into this layer's cache at `idx`. Returns q, k, v as [rows, heads, head_dim]."""
+        nat, tri = self.nat, self._tri
+        rows, d = h.shape[0], nat.head_dim
+        q = tri.norm_rope(self._lin(h, layer.lin["q_proj"], mask).view(rows, nat.hq, d), layer.q_norm, self.cos,
+                          self.sin, pos, nat.eps)
+        k = tri.norm_rope(self._lin(h, layer.lin["k_proj"], mask).view(rows, nat.hkv, d), layer.k_norm, self.cos,
+                          self.sin, pos, nat.eps)
+        v = self._lin(h, layer.lin["v_proj"], mask).view(rows, nat.hkv, d)
+        kc.view(-1, d).index_copy_(0, idx, k.view(-1, d))
+        vc.view(-1, d).index_copy_(0, idx, v.view(-1, d))
+        return q, k, v
+
     def _prefill_forward_fused(self, ids: torch.Tensor, slots: torch.Tensor, start: int,
                                last: torch.Tensor | None) -> torch.Tensor | None:
         """_prefill_forward with the Triton kernels (token-major layout, no transposes before the cache write)."""
@@ -999,15 +1013,8 @@ class Engine:
             attn_mask = self.len_ar[:start + L][None, :] <= positions[:, None]
         n_layers = len(nat.layers)
         for li, layer in enumerate(nat.layers):
-            kc = self.cache[li, 0]
-            vc = self.cache[li, 1]
-            q = tri.norm_rope(self._lin(h, layer.lin["q_proj"], mask).view(T, hq, d), layer.q_norm, self.cos,
-                              self.sin, pos_tok, nat.eps)
-            k = tri.norm_rope(self._lin(h, layer.lin["k_proj"], mask).view(T, hkv, d), layer.k_norm, self.cos,
-                              self.sin, pos_tok, nat.eps)
-            v = self._lin(h, layer.lin["v_proj"], mask).view(T, hkv, d)
-            kc.view(-1, d).index_copy_(0, idx, k.view(-1, d))
-            vc.view(-1, d).index_copy_(0, idx, v.view(-1, d))
+            kc, vc = self.cache[li, 0], self.cache[li, 1]
+            q, k, v = self._qkv_into_cache(h, layer, mask, pos_tok, idx, kc, vc)
             q4 = q.view(n, L, hq, d).transpose(1, 2)
             if start == 0:
                 a = F.scaled_dot_product_attention(q4, k.view(n, L, hkv, d).transpose(1, 2),
@@ -1094,15 +1101,8 @@ class Engine:
         mask = self.lora_mask[:B] if nat.lora_rank else None
         n_layers = len(nat.layers)
         for li, layer in enumerate(nat.layers):
-            kc = self.cache[li, 0]
-            vc = self.cache[li, 1]
-            q = tri.norm_rope(self._lin(h, layer.lin["q_proj"], mask).view(B, hq, d), layer.q_norm, self.cos,
-                              self.sin, pos, nat.eps)
-            k = tri.norm_rope(self._lin(h, layer.lin["k_proj"], mask).view(B, hkv, d), layer.k_norm, self.cos,
-                              self.sin, pos, nat.eps)
-            v = self._lin(h, layer.lin["v_proj"], mask)
-            kc.view(-1, d).index_copy_(0, idx, k.view(-1, d))
-            vc.view(-1, d).index_copy_(0, idx, v.view(-1, d))
+            kc, vc = self.cache[li, 0], self.cache[li, 1]
+            q, _, _ = self._qkv_into_cache(h, layer, mask, pos, idx, kc, vc)
             a = tri.decode_attention(q.view(B, hkv, G, d), kc, vc, lens, nat.scaling).view(B, hq * d)
             x, h = tri.rms_norm(x, layer.ln2, nat.eps, residual=self._lin(a, layer.lin["o_proj"], mask))
             g = tri.silu_mul(self._lin(h, layer.lin["gate_proj"], mask), self._lin(h, layer.lin["up_proj"], mask))
