@@ -38,21 +38,18 @@ def chunks(store: RecordStore, batch: dict) -> list[dict]:
     return [store.get("chunk", chunk_id(batch["id"], i)) or {} for i in range(batch["n_chunks"])]
 
 
-def request_counts(store: RecordStore, batch: dict) -> dict:
-    if batch.get("request_counts_final"):
-        return batch["request_counts_final"]
+def tally(store: RecordStore, batch: dict) -> tuple[dict, dict, bool]:
+    """(request_counts, usage, whether a chunk found the window expired), from one read of the chunks."""
     parts = chunks(store, batch)
-    completed = sum(int(c.get("completed") or 0) for c in parts)
-    failed = sum(int(c.get("failed") or 0) for c in parts) + int(batch.get("failed_at_validation") or 0)
-    return {"total": batch.get("total", 0), "completed": completed, "failed": failed}
 
+    def total(field: str) -> int:
+        return sum(int(c.get(field) or 0) for c in parts)
 
-def usage(store: RecordStore, batch: dict) -> dict:
-    parts = chunks(store, batch)
-    inp = sum(int(c.get("input_tokens") or 0) for c in parts)
-    out = sum(int(c.get("output_tokens") or 0) for c in parts)
-    return {"input_tokens": inp, "output_tokens": out, "total_tokens": inp + out,
-            "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+    counts = {"total": batch.get("total", 0), "completed": total("completed"), "failed": total("failed")}
+    inp, out = total("input_tokens"), total("output_tokens")
+    usage = {"input_tokens": inp, "output_tokens": out, "total_tokens": inp + out,
+             "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+    return counts, usage, any(c.get("expired") for c in parts)
 
 
 def _store_file(store: RecordStore, root: Path, tenant: str, name: str, parts: list[Path]) -> str | None:
@@ -87,10 +84,10 @@ def finalize(store: RecordStore, root: Path, batch: dict) -> None:
     files = [chunk_files(root, tenant, batch_id, i) for i in range(batch["n_chunks"])]
     output = _store_file(store, root, tenant, f"{batch_id}_output.jsonl", [out for out, _ in files])
     errors = _store_file(store, root, tenant, f"{batch_id}_error.jsonl", [err for _, err in files])
-    expired = any(c.get("expired") for c in chunks(store, batch))
+    counts, usage, expired = tally(store, batch)
     status = "cancelled" if cancelling else ("expired" if expired else "completed")
     fields = {"status": status, f"{status}_at": now(), "output_file_id": output, "error_file_id": errors,
-              "request_counts_final": request_counts(store, batch), "usage": usage(store, batch)}
+              "request_counts_final": counts, "usage": usage}
     if store.transition("batch", batch_id, ["cancelling", "finalizing"], fields):
         events.emit(store.redis, batch_id, f"Batch {status}", data={"status": status})
         store.untrack("batch", batch_id)

@@ -92,3 +92,10 @@ def release_lease(client: redis.Redis, job_id: str, holder: str) -> None:
 def done_key(request_id: str) -> str:
     """A list the worker pushes to when a request finishes, so a synchronous caller can BLPOP it."""
     return f"done:{request_id}"
+
+
+def signal_done(client: redis.Redis, request_id: str) -> None:
+    pipe = client.pipeline(transaction=False)
+    pipe.rpush(done_key(request_id), "1")
+    pipe.expire(done_key(request_id), 3600)
+    pipe.execute()

@@ -32,7 +32,7 @@ class Message(BaseModel):
         return {"role": "system" if self.role == "developer" else self.role, "content": text_of(self.content)}
 
 
-def _unencodable(value) -> bool:
+def unencodable(value) -> bool:
     """True if any string inside cannot be UTF-8 (a lone surrogate from JSON's \\ud800 escapes)."""
     if isinstance(value, str):
         try:
@@ -41,9 +41,9 @@ def _unencodable(value) -> bool:
             return True
         return False
     if isinstance(value, dict):
-        return any(_unencodable(v) for v in value.values())
+        return any(unencodable(v) for v in value.values())
     if isinstance(value, (list, tuple)):
-        return any(_unencodable(v) for v in value)
+        return any(unencodable(v) for v in value)
     return False
 
 
@@ -51,7 +51,7 @@ class Sampling(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _text_is_utf8(cls, data):
-        if _unencodable(data):
+        if unencodable(data):
             raise ValueError("text must be valid Unicode (a lone surrogate such as \\udcff cannot be encoded)")
         return data
 

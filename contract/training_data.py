@@ -7,20 +7,28 @@ examples through `read_examples`.
 import json
 from pathlib import Path
 
+from contract.inference_requests import unencodable
+
 ROLES = {"system", "user", "assistant"}
 MAX_ERRORS = 20
+
+
+def numbered_lines(data: bytes) -> tuple[list[tuple[int, str]], str | None]:
+    """The non-empty lines of a JSONL file with their 1-based numbers, or why the file is not text."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return [], f"the file is not UTF-8 text ({exc.reason} at byte {exc.start})"
+    return [(n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip()], None
 
 
 def parse_jsonl(data: bytes) -> tuple[list[tuple[int, dict]], list[str]]:
     """(line number, object) for each JSON-object line, and line-numbered errors for the other lines."""
     objects, errors = [], []
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return [], [f"the file is not UTF-8 text ({exc.reason} at byte {exc.start})"]
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
+    lines, not_text = numbered_lines(data)
+    if not_text:
+        return [], [not_text]
+    for number, line in lines:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
@@ -35,19 +43,11 @@ def parse_jsonl(data: bytes) -> tuple[list[tuple[int, dict]], list[str]]:
     return objects, errors
 
 
-def _utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False  # a lone surrogate from a \\ud800-style JSON escape
-    return True
-
-
 def example_error(obj: dict) -> str | None:
     """Why one training line is unusable, or None."""
     texts = [m.get("content") for m in obj.get("messages") or [] if isinstance(m, dict)] + \
         [obj.get("prompt"), obj.get("completion")]
-    if any(isinstance(t, str) and not _utf8(t) for t in texts):
+    if unencodable(texts):
         return "text must be valid Unicode (it holds a lone surrogate escape)"
     if "messages" in obj:
         messages = obj["messages"]

@@ -13,6 +13,7 @@ from contract.inference_outputs import BUILDERS, response
 from contract.inference_requests import BODY_SCHEMAS
 from contract.layout import file_path
 from contract.records import new_id, now
+from contract.training_data import numbered_lines
 from worker.inference import RequestFailed, outcome, start
 from worker.node import Node
 
@@ -39,8 +40,7 @@ def run_chunk(node: Node, chunk_id: str) -> None:
         return
     batch = store.get("batch", chunk["batch_id"])
     batch_id, tenant, endpoint = batch["id"], batch["tenant"], batch["endpoint"]
-    text = file_path(settings.artifact_root, tenant, batch["input_file_id"]).read_text("utf-8")
-    numbered = [(n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    numbered, _ = numbered_lines(file_path(settings.artifact_root, tenant, batch["input_file_id"]).read_bytes())
     mine = numbered[chunk["start"]:chunk["end"]]
 
     results: dict[int, dict] = {}  # position in chunk -> output or error line

@@ -216,5 +216,4 @@ def run_request(node: Node, kind: str, record_id: str) -> None:
     store.transition(kind, record_id, ["in_progress"], fields)
     store.untrack(kind, record_id)
     node.job_finished(record_id)
-    redis.rpush(events.done_key(record_id), "1")
-    redis.expire(events.done_key(record_id), 3600)
+    events.signal_done(redis, record_id)

@@ -35,7 +35,7 @@ class Node:
             jobs = sorted(self.current_jobs)
         return {
             "node": self.name, "backend": self.backend, "device_ids": self.mask,
-            "devices": self.devices, "bf16": devices.bf16_supported(self.backend),
+            "devices": self.devices, "bf16": all(d["bf16"] for d in self.devices),
             "current_jobs": jobs, "current_job": jobs[0] if jobs else None, "pid": os.getpid(),
             "started_at": self.started_at,
         } | {k: v for report in self.reporters for k, v in report().items()}

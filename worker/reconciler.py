@@ -71,8 +71,7 @@ class Reconciler:
                     "error": {"code": "worker_lost", "message": message, "param": None}}):
                 self.store.untrack(kind, record_id)
                 events.emit(self.redis, record_id, message, level="error", data={"status": "failed"})
-                self.redis.rpush(events.done_key(record_id), "failed")
-                self.redis.expire(events.done_key(record_id), 3600)
+                events.signal_done(self.redis, record_id)
             return
         try:
             need = Requirement(memory_bytes=0, bf16=bool(record.get("bf16")))

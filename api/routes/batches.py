@@ -17,6 +17,7 @@ from contract.queues import backend_queue, node_queue, publish
 from contract.records import new_id, now
 from contract.registry import live_workers
 from contract.routing import NoCapableWorker, Requirement, choose_queue
+from contract.training_data import numbered_lines
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
@@ -38,20 +39,20 @@ def to_openai(store, record: dict) -> dict:
              "output_file_id": record.get("output_file_id"), "error_file_id": record.get("error_file_id"),
              "created_at": record["created_at"], "errors": record.get("errors"), "metadata": record.get("metadata"),
              **{k: record.get(k) for k in stamps}}
-    counted = record.get("n_chunks") is not None
-    batch["request_counts"] = batches.request_counts(store, record) if counted else \
-        {"total": 0, "completed": 0, "failed": 0}
-    batch["usage"] = record.get("usage") or (batches.usage(store, record) if counted else None)
+    if record.get("request_counts_final"):  # settled: the totals were kept when it finished
+        batch["request_counts"], batch["usage"] = record["request_counts_final"], record["usage"]
+    elif record.get("n_chunks") is not None:
+        batch["request_counts"], batch["usage"], _ = batches.tally(store, record)
+    else:  # failed in validating, or not split yet
+        batch["request_counts"], batch["usage"] = {"total": 0, "completed": 0, "failed": 0}, None
     return batch
 
 
 def _validation_errors(data: bytes) -> tuple[list[tuple[int, str]], list[str]]:
     """(lines as (number, text), errors that make the file unusable as a whole)."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return [], [f"the file is not UTF-8 text ({exc.reason} at byte {exc.start})"]
-    lines = [(n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    lines, not_text = numbered_lines(data)
+    if not_text:
+        return [], [not_text]
     if not lines:
         return [], ["the file holds no requests"]
     parsed, problems, seen = 0, [], {}
@@ -85,13 +86,14 @@ def create_batch(body: BatchCreate, tenant: TenantDep, settings: SettingsDep, st
     if source["purpose"] != "batch":
         raise invalid(f"File '{body.input_file_id}' has purpose '{source['purpose']}', not 'batch'.",
                       param="input_file_id")
+    workers = live_workers(redis)
     try:
-        queue = choose_queue(live_workers(redis), Requirement())
+        queue = choose_queue(workers, Requirement())
     except NoCapableWorker as exc:
         raise APIError(400, str(exc), code="no_capable_worker") from None
     # Chunks are dealt round-robin to the nodes of the chosen queue's backend, least busy first, so a large batch
     # runs on several devices at once (a node's threads would otherwise reserve every chunk it could).
-    nodes = sorted((w for w in live_workers(redis) if queue in (backend_queue(w["backend"]), node_queue(w["node"]))),
+    nodes = sorted((w for w in workers if queue in (backend_queue(w["backend"]), node_queue(w["node"]))),
                    key=lambda w: len(w.get("current_jobs", [])))
     chunk_queues = [node_queue(w["node"]) for w in nodes] or [queue]
     created = now()
