@@ -43,6 +43,15 @@ def now() -> int:
     return int(time.time())
 
 
+def after_cursor(items: list, after: str | None, key=lambda item: item) -> list:
+    """OpenAI's `after` paging: the items following the one whose key is `after`; all of them without a cursor,
+    none for a cursor that is not there."""
+    if not after:
+        return items
+    keys = [key(item) for item in items]
+    return items[keys.index(after) + 1:] if after in keys else []
+
+
 def _key(kind: str, record_id: str) -> str:
     return f"rec:{kind}:{record_id}"
 
@@ -117,9 +126,7 @@ class RecordStore:
 
     def page(self, kind: str, tenant: str, after: str | None = None, limit: int = 20) -> tuple[list[dict], bool]:
         """Newest first; `after` is the id of the last record of the previous page. Returns (page, has_more)."""
-        ids = self.redis.zrevrange(_index(kind, tenant), 0, -1)
-        if after:
-            ids = ids[ids.index(after) + 1 :] if after in ids else []
+        ids = after_cursor(self.redis.zrevrange(_index(kind, tenant), 0, -1), after)
         page = [r for r in (self.get(kind, i, tenant) for i in ids[: limit + 1]) if r is not None]
         return page[:limit], len(page) > limit
 

@@ -13,7 +13,7 @@ from api.routes.files import get_file
 from contract import events
 from contract.layout import SUFFIX_PATTERN, file_path
 from contract.queues import publish
-from contract.records import new_id, now
+from contract.records import after_cursor, new_id, now
 from contract.registry import live_workers
 from contract.routing import NoCapableWorker, choose_queue, training_requirement
 from contract.training_data import validate_training_bytes
@@ -145,9 +145,8 @@ def list_jobs(request: Request, tenant: TenantDep, store: StoreDep, after: str |
     else:
         everything, _ = store.page("ftjob", tenant, None, 10**9)
         matching = [r for r in everything if _matches(r.get("metadata") or {}, wanted)]
-        ids = [r["id"] for r in matching]
-        start = ids.index(after) + 1 if after in ids else 0
-        records, has_more = matching[start:start + limit], len(matching) > start + limit
+        rest = after_cursor(matching, after, key=lambda r: r["id"])
+        records, has_more = rest[:limit], len(rest) > limit
     return {"object": "list", "data": [to_openai(r) for r in records], "has_more": has_more}
 
 
@@ -180,10 +179,8 @@ def list_events(job_id: str, tenant: TenantDep, store: StoreDep, redis: RedisDep
 @router.get("/{job_id}/checkpoints")
 def list_checkpoints(job_id: str, tenant: TenantDep, store: StoreDep, after: str | None = None,
                      limit: Annotated[int, Query(ge=1, le=100)] = 10):
-    checkpoints = list(reversed(get_job(store, job_id, tenant).get("checkpoints", [])))
-    if after:
-        ids = [c["id"] for c in checkpoints]
-        checkpoints = checkpoints[ids.index(after) + 1:] if after in ids else []
+    checkpoints = after_cursor(list(reversed(get_job(store, job_id, tenant).get("checkpoints", []))), after,
+                               key=lambda c: c["id"])
     page = checkpoints[:limit]
     return {"object": "list", "data": page, "has_more": len(checkpoints) > limit,
             "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None}
