@@ -72,6 +72,7 @@ class Stack:
             "XPUJOBS_DEVICE_BACKEND": backend, "XPUJOBS_ENGINE_MEMORY_BYTES": str(engine_memory_bytes),
             "XPUJOBS_ENGINE_MAX_BATCH_SIZE": str(engine_batch), "XPUJOBS_ENGINE_MAX_SEQ_LEN": str(max_seq_len),
             "XPUJOBS_WORKER_CONCURRENCY": "96", "XPUJOBS_REQUEST_TIMEOUT_SECONDS": "900",
+            "XPUJOBS_HEARTBEAT_SECONDS": "1",  # fresh engine counters in the registry (batch_phases)
         })
         self.log = (self.dir / "stack.log").open("wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "up", "--port", str(port),
@@ -107,7 +108,8 @@ class Stack:
                           for i, p in enumerate(prompts))
         upload = self.http.post("/files", data={"purpose": "batch"},
                                 files={"file": ("bench.jsonl", lines.encode())}).json()
-        t = time.perf_counter()
+        engine_before = self.engine_stats()
+        t, wall = time.perf_counter(), time.time()
         batch = self.http.post("/batches", json={"input_file_id": upload["id"], "endpoint": "/v1/completions",
                                                  "completion_window": "24h"}).json()
         while batch["status"] not in ("completed", "failed", "cancelled", "expired"):
@@ -116,7 +118,44 @@ class Stack:
         seconds = time.perf_counter() - t
         if batch["status"] != "completed" or batch["request_counts"]["failed"]:
             raise RuntimeError(f"batch ended {batch['status']}: {batch['request_counts']}, {batch.get('errors')}")
-        return {"tokens": batch["usage"]["output_tokens"], "seconds": seconds}
+        return {"tokens": batch["usage"]["output_tokens"], "seconds": seconds,
+                "phases": self.batch_phases(batch, wall, engine_before)}
+
+    def engine_stats(self) -> dict:
+        """The counters of the served model's engine, from a registry heartbeat sent after this call began."""
+        since = time.time()
+        while True:
+            workers = self.http.get("/workers").json()["data"]
+            if all(w["heartbeat_at"] > since for w in workers):
+                break
+            time.sleep(0.2)
+        for worker in workers:
+            for model in worker.get("models", []):
+                if model["model"] == self.model:
+                    return model["engine"]
+        return {}
+
+    def batch_phases(self, batch: dict, since: float, engine_before: dict) -> dict:
+        """Where a batch's time went: the moments its chunks were claimed, had every line in the engine, had every
+        result, and were written (seconds after the POST, earliest and latest), and what the engine did meanwhile."""
+        import redis
+
+        client = redis.Redis(port=self.redis_port, decode_responses=True)
+        n_chunks = int(client.hget(f"rec:batch:{batch['id']}", "n_chunks"))
+        stamps = [json.loads(client.hget(f"rec:chunk:{batch['id']}.{i:05d}", "timings") or "{}")
+                  for i in range(n_chunks)]
+        moments = {name: [s[name] - since for s in stamps if name in s]
+                   for name in ("claimed", "submitted", "generated", "written")}
+        after = self.engine_stats()
+        engine = {k: after[k] - engine_before.get(k, 0) for k in
+                  ("decode_steps", "decode_rows", "decode_seconds", "prefill_calls", "prefill_seconds",
+                   "busy_seconds") if isinstance(after.get(k), (int, float))}
+        if engine.get("decode_steps"):
+            engine["ms_per_step"] = 1e3 * engine["decode_seconds"] / engine["decode_steps"]
+            engine["mean_batch"] = engine["decode_rows"] / engine["decode_steps"]
+        return {"chunks": n_chunks,
+                **{f"{name}_s": [round(min(v), 3), round(max(v), 3)] for name, v in moments.items() if v},
+                "engine": engine, "num_slots": after.get("num_slots")}
 
     def chat(self, content: str, new_tokens: int) -> int:
         reply = self.http.post("/chat/completions", json={

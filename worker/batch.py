@@ -3,6 +3,7 @@ bases and adapters), results are written to the chunk's own output and error fil
 settle finalises the batch."""
 
 import json
+import time
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
@@ -38,6 +39,7 @@ def run_chunk(node: Node, chunk_id: str) -> None:
             "status": "in_progress", "node": node.name, "attempts": int(chunk.get("attempts") or 0) + 1,
             "completed": 0, "failed": 0, "input_tokens": 0, "output_tokens": 0}):
         return
+    timings = {"claimed": time.time()}  # wall-clock stamps, so a slow batch shows where its time went
     batch = store.get("batch", chunk["batch_id"])
     batch_id, tenant, endpoint = batch["id"], batch["tenant"], batch["endpoint"]
     numbered, _ = numbered_lines(file_path(settings.artifact_root, tenant, batch["input_file_id"]).read_bytes())
@@ -75,6 +77,7 @@ def run_chunk(node: Node, chunk_id: str) -> None:
         except RequestFailed as exc:
             fail(position, custom_id, exc.code, f"line {number}: {exc}")
 
+    timings["submitted"] = time.time()
     cancelled = False
     store.add_counts("chunk", chunk_id, progress)
     progress.clear()
@@ -103,13 +106,15 @@ def run_chunk(node: Node, chunk_id: str) -> None:
             store.add_counts("chunk", chunk_id, progress)
             progress.clear()
 
+    timings["generated"] = time.time()
     out_path, err_path = batches.chunk_files(settings.artifact_root, tenant, batch_id, chunk["index"])
     ordered = sorted(results)
 
     batches.write_atomically(out_path, [json.dumps(results[p]) for p in ordered if p not in failed_positions])
     batches.write_atomically(err_path, [json.dumps(results[p]) for p in ordered if p in failed_positions])
     settled = store.transition("chunk", chunk_id, ["in_progress"], {
-        "status": "cancelled" if cancelled else "completed", "expired": expired, "finished_at": now()})
+        "status": "cancelled" if cancelled else "completed", "expired": expired, "finished_at": now(),
+        "timings": {**timings, "written": time.time()}})
     store.untrack("chunk", chunk_id)
     node.job_finished(chunk_id)
     if settled:

@@ -112,8 +112,8 @@ class ModelCache:
             items = list(self._models.items())
         return {"models": [{"model": base, "attn_implementation": attn, "quantization": quantization,
                             "use_kernels": kernels, "adapters": sorted(m.adapters),
-                            "engine": {k: m.engine.stats.get(k) for k in
-                                       ("path", "max_running", "decode_steps", "completed", "errors")}}
+                            "engine": {k: v for k, v in m.engine.stats.items()
+                                       if isinstance(v, (int, float, str, type(None)))}}
                            for (base, attn, quantization, kernels), m in items]}
 
 
