@@ -1,5 +1,6 @@
 """The FastAPI application (wrapped in the body-size guard). It never imports torch or any model library."""
 
+import gc
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -27,6 +28,9 @@ def create_app(settings: Settings | None = None) -> errors.DeclaredBodyLimit:
         app.state.store = RecordStore(sync_client(settings))
         app.state.aioredis = async_client(settings)
         app.state.celery = make_celery(settings)
+        # What startup loaded stays for good: exempt it from the cyclic collector's full passes.
+        gc.collect()
+        gc.freeze()
         yield
         await app.state.aioredis.aclose()
 

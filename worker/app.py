@@ -35,6 +35,9 @@ def _start_node(**_):
         sys.stdout.flush()
         os._exit(78)  # EX_CONFIG: a misconfigured node must not sit on the queue doing nothing
     _state["node"].start()
+    from worker.inference import freeze_heap
+
+    freeze_heap()  # after the imports; each model load freezes again
     _state["reconciler"] = Reconciler(settings, app)
     _state["reconciler"].start()
 

@@ -2,6 +2,7 @@
 engine that batches every concurrent request for it; fine-tuned adapters are loaded onto the loaded base once
 and chosen per request inside a batch, never by reloading the base."""
 
+import gc
 import threading
 import time
 from collections import OrderedDict
@@ -18,7 +19,7 @@ from worker.engine import Engine, GenerationRequest, GenerationResult, SamplingP
 from worker.models import ModelLoadError, load_model_and_tokenizer
 from worker.node import Node
 
-CANCEL_POLL_SECONDS = 0.5
+CANCEL_POLL_SECONDS = 0.1
 
 
 class RequestFailed(Exception):
@@ -80,9 +81,11 @@ class ModelCache:
                             memory_budget_bytes=self.settings.engine_memory_bytes,
                             max_batch_size=self.settings.engine_max_batch_size,
                             max_seq_len=min(self.settings.engine_max_seq_len, context or 1 << 30))
+            engine.warmup()  # every batch size's decode graph now, not in the middle of someone's requests
             loaded = LoadedModel(engine, tokenizer, context, nbytes)
             with self._lock:
                 self._models[key] = loaded
+            freeze_heap()
             return loaded
 
     @staticmethod
@@ -103,6 +106,7 @@ class ModelCache:
                 model = PeftModel.from_pretrained(model, str(path), adapter_name=name)
             model.eval()
             engine.update_model(model)
+            engine.warmup()  # update_model dropped the captured graphs
             loaded.adapters.add(name)
 
 
@@ -115,6 +119,14 @@ class ModelCache:
                             "engine": {k: v for k, v in m.engine.stats.items()
                                        if isinstance(v, (int, float, str, type(None)))}}
                            for (base, attn, quantization, kernels), m in items]}
+
+
+def freeze_heap() -> None:
+    """Exempt what is loaded now (torch, transformers, the models' modules) from Python's cyclic collector. A full
+    collection walks every object with the GIL held, about 0.25 s in a worker process, and stalls the engine's
+    host loop and every request thread meanwhile."""
+    gc.collect()
+    gc.freeze()
 
 
 _caches: dict[str, ModelCache] = {}
@@ -181,14 +193,60 @@ def outcome(result: GenerationResult) -> dict:
             "completion_tokens": result.completion_tokens}
 
 
+class CancelWatch:
+    """Stops cancelled requests in their engines. One thread per node reads the cancel flags of every running
+    request in one round trip each tick, rather than each request polling for its own."""
+
+    def __init__(self, node: Node):
+        self._redis = node.redis
+        self._running: dict[str, tuple[Engine, str]] = {}  # cancel key -> (engine, request id)
+        self._changed = threading.Condition()
+        threading.Thread(target=self._run, name="xpujobs-cancel-watch", daemon=True).start()
+
+    def add(self, cancel_key: str, engine: Engine, request_id: str) -> None:
+        with self._changed:
+            self._running[cancel_key] = (engine, request_id)
+            self._changed.notify()
+
+    def discard(self, cancel_key: str) -> None:
+        with self._changed:
+            self._running.pop(cancel_key, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._running)
+                running = list(self._running.items())
+            try:
+                flags = events.cancels_requested(self._redis, [key for key, _ in running])
+            except Exception as exc:  # a Redis blip: try again next tick
+                print(f"xpu-jobs cancel watch: {exc}", flush=True)
+                flags = []
+            for (key, (engine, request_id)), cancelled in zip(running, flags):
+                if cancelled:
+                    engine.cancel(request_id)
+                    self.discard(key)
+            time.sleep(CANCEL_POLL_SECONDS)
+
+
+_watches: dict[str, CancelWatch] = {}
+
+
+def cancel_watch_for(node: Node) -> CancelWatch:
+    with _caches_lock:
+        if node.name not in _watches:
+            _watches[node.name] = CancelWatch(node)
+        return _watches[node.name]
+
+
 def wait(node: Node, loaded: LoadedModel, future: Future, request_id: str, cancel_key: str) -> GenerationResult:
     """The engine's result; a cancel asked for meanwhile stops the request in the engine."""
-    while True:
-        try:
-            return future.result(timeout=CANCEL_POLL_SECONDS)
-        except TimeoutError:
-            if events.cancel_requested(node.redis, cancel_key):
-                loaded.engine.cancel(request_id)
+    watch = cancel_watch_for(node)
+    watch.add(cancel_key, loaded.engine, request_id)
+    try:
+        return future.result()
+    finally:
+        watch.discard(cancel_key)
 
 
 def run_request(node: Node, kind: str, record_id: str) -> None:
