@@ -2,10 +2,12 @@
 bases and adapters), results are written to the chunk's own output and error files, and the last chunk to
 settle finalises the batch."""
 
+import contextlib
 import json
+import queue
 import time
 from collections import Counter
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future
 
 from pydantic import ValidationError
 
@@ -81,13 +83,20 @@ def run_chunk(node: Node, chunk_id: str) -> None:
     cancelled = False
     store.add_counts("chunk", chunk_id, progress)
     progress.clear()
+    finished: queue.SimpleQueue[int] = queue.SimpleQueue()  # positions, put by the engine as each one ends
+    for position, entry in pending.items():
+        entry[4].add_done_callback(lambda _, position=position: finished.put(position))
     while pending:
-        wait([entry[4] for entry in pending.values()], timeout=POLL_SECONDS, return_when=FIRST_COMPLETED)
+        ready = []
+        with contextlib.suppress(queue.Empty):
+            ready.append(finished.get(timeout=POLL_SECONDS))
+            while True:
+                ready.append(finished.get_nowait())
         if not cancelled and events.cancel_requested(redis, batch_id):
             cancelled = True
             for _, _, request_id, loaded, _ in pending.values():
                 loaded.engine.cancel(request_id)
-        for position in [p for p, entry in pending.items() if entry[4].done()]:
+        for position in ready:
             custom_id, request, request_id, _, future = pending.pop(position)
             result = future.result()
             if result.finish_reason == "cancelled":
