@@ -61,12 +61,21 @@ def read_all(client: redis.Redis, job_id: str) -> list[dict]:
     return [_to_event(e, f) for e, f in client.xrange(stream_key(job_id))]
 
 
+def _cancel_key(job_id: str) -> str:
+    return f"cancel:{job_id}"
+
+
 def request_cancel(client: redis.Redis, job_id: str) -> None:
-    client.set(f"cancel:{job_id}", "1", ex=7 * 24 * 3600)
+    client.set(_cancel_key(job_id), "1", ex=7 * 24 * 3600)
 
 
 def cancel_requested(client: redis.Redis, job_id: str) -> bool:
-    return client.exists(f"cancel:{job_id}") == 1
+    return client.exists(_cancel_key(job_id)) == 1
+
+
+def cancels_requested(client: redis.Redis, job_ids: list[str]) -> list[bool]:
+    """cancel_requested for many jobs in one round trip."""
+    return [flag is not None for flag in client.mget([_cancel_key(j) for j in job_ids])] if job_ids else []
 
 
 def lease_key(job_id: str) -> str:
