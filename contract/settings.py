@@ -1,6 +1,5 @@
 """One Settings object for the whole service, read from XPUJOBS_* environment variables (and .env)."""
 
-from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
@@ -27,6 +26,9 @@ class Settings(BaseSettings):
     max_upload_bytes: int = 512 * 1024 * 1024
     # How long a synchronous call (chat completions, responses without background) waits.
     request_timeout_seconds: float = 300.0
+    # API processes. The API keeps no state of its own (it is all in Redis), and one process handles one request
+    # at a time on one core: a burst of concurrent calls queues behind a single process.
+    api_workers: int = 4
 
     # auto = xpu, then cuda, then cpu.
     device_backend: Literal["auto", "xpu", "cuda", "cpu"] = "auto"
@@ -59,8 +61,3 @@ class Settings(BaseSettings):
     def ensure_dirs(self) -> None:
         self.artifact_root.mkdir(parents=True, exist_ok=True)
         self.models_root.mkdir(parents=True, exist_ok=True)
-
-
-@lru_cache
-def get_settings() -> Settings:
-    return Settings()

@@ -129,8 +129,9 @@ def workers(start_worker):
 def api_url(stack_env, stack_dir, workers):
     port = free_port()
     log = (stack_dir / "api.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "api", "--port", str(port)], env=stack_env,
-                            stdout=log, stderr=subprocess.STDOUT)
+    # Two processes, as in production (several): every call below may land on either.
+    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "api", "--port", str(port), "--workers", "2"],
+                            env=stack_env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
 
     def healthy():

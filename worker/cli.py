@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("api", help="serve the REST API")
     a.add_argument("--host", default="127.0.0.1")
     a.add_argument("--port", type=int, default=8000)
+    a.add_argument("--workers", type=int, default=None, help="API processes (default XPUJOBS_API_WORKERS)")
 
     u = sub.add_parser("up", help="the whole stack on this machine: Redis (embedded if none is configured), "
                                   "API, workers")
@@ -123,7 +124,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
-    uvicorn.run("api.main:create_app", factory=True, host=args.host, port=args.port, log_level="info")
+    from contract.settings import Settings
+
+    uvicorn.run("api.main:create_app", factory=True, host=args.host, port=args.port, log_level="info",
+                workers=args.workers or Settings().api_workers)
     return 0
 
 
