@@ -148,7 +148,8 @@ def test_unreadable_file_fails_in_validating(client_a):
 
 
 def test_cancel_keeps_finished_lines(client_a):
-    lines = [chat_line(f"slow-{i}", "demo-tiny", max_tokens=200) for i in range(200)]
+    # Lengths spread over hundreds of steps, so the first results come long before the last.
+    lines = [chat_line(f"slow-{i}", "demo-tiny", max_tokens=2 + 4 * i, ignore_eos=True) for i in range(200)]
     upload = client_a.files.create(file=("slow.jsonl", "\n".join(lines).encode()), purpose="batch")
     batch = client_a.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
                                     completion_window="24h")

@@ -81,7 +81,7 @@ def test_worker_killed_mid_fine_tune_is_requeued_and_resumed(client_a, workers, 
 def test_worker_stopped_mid_fine_tune_checkpoints_and_hands_the_job_on(client_a, workers, start_worker):
     """SIGTERM (a deploy or a scale-down): Celery's warm shutdown; the job saves a checkpoint at once, goes back
     on a queue without counting an attempt, and another worker resumes it from there."""
-    job = long_job(client_a, max_steps=60)
+    job = long_job(client_a, max_steps=400)  # long enough that the stop lands mid-run
     first_checkpoint(client_a, job.id)
     node = node_running(client_a, job.id)
     victim = next(w for w in workers if node.startswith(w.name + "@"))
