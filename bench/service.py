@@ -10,6 +10,7 @@ this script also measures the concurrency ratio:
 """
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -83,6 +84,9 @@ class Stack:
         while time.monotonic() < deadline:
             try:
                 if self.http.get("/workers").json()["data"]:
+                    # This client's own full collections (torch is loaded here) must not pause the timed requests.
+                    gc.collect()
+                    gc.freeze()
                     return
             except (httpx.HTTPError, ValueError, KeyError):
                 pass
@@ -149,7 +153,8 @@ class Stack:
         after = self.engine_stats()
         engine = {k: after[k] - engine_before.get(k, 0) for k in
                   ("decode_steps", "decode_rows", "decode_seconds", "prefill_calls", "prefill_seconds",
-                   "busy_seconds") if isinstance(after.get(k), (int, float))}
+                   "busy_seconds", "graphs_captured", "graph_capture_seconds")
+                  if isinstance(after.get(k), (int, float))}
         if engine.get("decode_steps"):
             engine["ms_per_step"] = 1e3 * engine["decode_seconds"] / engine["decode_steps"]
             engine["mean_batch"] = engine["decode_rows"] / engine["decode_steps"]
@@ -188,19 +193,26 @@ def concurrency(stack: Stack, n: int, new_tokens: int) -> dict:
     t = time.perf_counter()
     sequential = sum(stack.chat(c, new_tokens) for c in contents)
     sequential_s = time.perf_counter() - t
+    sent: list[float] = []
+
+    def send(content: str) -> int:
+        sent.append(time.time())
+        return stack.chat(content, new_tokens)
+
     t = time.perf_counter()
     wall = time.time()
     with ThreadPoolExecutor(n) as pool:
-        concurrent = sum(pool.map(lambda c: stack.chat(c, new_tokens), contents))
+        concurrent = sum(pool.map(send, contents))
     concurrent_s = time.perf_counter() - t
     return {"requests": n, "new_tokens": new_tokens, "sequential_seconds": sequential_s,
             "concurrent_seconds": concurrent_s, "sequential_tokens": sequential, "concurrent_tokens": concurrent,
-            "speedup": sequential_s / concurrent_s, "concurrent_phases": phases(stack, since=wall)}
+            "speedup": sequential_s / concurrent_s, "concurrent_phases": {"send_spread_seconds": max(sent) - min(sent),
+                                                       **phases(stack, since=wall)}}
 
 
 def phases(stack: Stack, since: float) -> dict:
     """Where the concurrent requests spent their time, from the timings their records hold (medians, and the
-    spread of the moments they reached the engine)."""
+    spread of the moments they reached the API and the engine)."""
     import redis
 
     client = redis.Redis(port=stack.redis_port, decode_responses=True)
@@ -216,8 +228,8 @@ def phases(stack: Stack, since: float) -> dict:
             "queue_seconds": median([s["claimed"] - s["received"] for s in stamps]),
             "prepare_seconds": median([s["submitted"] - s["claimed"] for s in stamps]),
             "generate_seconds": median([s["generated"] - s["submitted"] for s in stamps]),
-            "submit_spread_seconds": max(s["submitted"] for s in stamps) - min(s["submitted"] for s in stamps)
-            if stamps else None}
+            **{f"{name}_spread_seconds": max(s[stamp] for s in stamps) - min(s[stamp] for s in stamps)
+               for name, stamp in (("receive", "received"), ("submit", "submitted")) if stamps}}
 
 
 def main(argv=None) -> int:
