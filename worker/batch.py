@@ -5,6 +5,7 @@ settle finalises the batch."""
 import contextlib
 import json
 import queue
+import threading
 import time
 from collections import Counter
 from concurrent.futures import Future
@@ -17,7 +18,7 @@ from contract.inference_requests import BODY_SCHEMAS
 from contract.layout import file_path
 from contract.records import new_id, now
 from contract.training_data import numbered_lines
-from worker.inference import RequestFailed, outcome, start
+from worker.inference import RequestFailed, cancel_watch_for, outcome, start
 from worker.node import Node
 
 POLL_SECONDS = 0.2
@@ -86,13 +87,16 @@ def run_chunk(node: Node, chunk_id: str) -> None:
     finished: queue.SimpleQueue[int] = queue.SimpleQueue()  # positions, put by the engine as each one ends
     for position, entry in pending.items():
         entry[4].add_done_callback(lambda _, position=position: finished.put(position))
+    cancel_asked = threading.Event()
+    watch = cancel_watch_for(node)
+    watching = watch.add(batch_id, cancel_asked.set)
     while pending:
         ready = []
         with contextlib.suppress(queue.Empty):
             ready.append(finished.get(timeout=POLL_SECONDS))
             while True:
                 ready.append(finished.get_nowait())
-        if not cancelled and events.cancel_requested(redis, batch_id):
+        if cancel_asked.is_set() and not cancelled:
             cancelled = True
             for _, _, request_id, loaded, _ in pending.values():
                 loaded.engine.cancel(request_id)
@@ -115,6 +119,7 @@ def run_chunk(node: Node, chunk_id: str) -> None:
             store.add_counts("chunk", chunk_id, progress)
             progress.clear()
 
+    watch.discard(watching)
     timings["generated"] = time.time()
     out_path, err_path = batches.chunk_files(settings.artifact_root, tenant, batch_id, chunk["index"])
     ordered = sorted(results)

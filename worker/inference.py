@@ -9,6 +9,7 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from contract import catalog, events
 from contract.layout import adapter_dir, checkpoint_dir
@@ -194,23 +195,28 @@ def outcome(result: GenerationResult) -> dict:
 
 
 class CancelWatch:
-    """Stops cancelled requests in their engines. One thread per node reads the cancel flags of every running
-    request in one round trip each tick, rather than each request polling for its own."""
+    """Acts on cancels asked for through the API. One thread per node reads the cancel flags of everything running
+    on it (live requests, batch chunks) in one round trip each tick, rather than each polling for its own."""
 
     def __init__(self, node: Node):
         self._redis = node.redis
-        self._running: dict[str, tuple[Engine, str]] = {}  # cancel key -> (engine, request id)
+        # handle -> (cancel key, what stops it); one key may have several (a batch's chunks on this node)
+        self._running: dict[object, tuple[str, Callable[[], None]]] = {}
         self._changed = threading.Condition()
         threading.Thread(target=self._run, name="xpujobs-cancel-watch", daemon=True).start()
 
-    def add(self, cancel_key: str, engine: Engine, request_id: str) -> None:
+    def add(self, cancel_key: str, on_cancel: Callable[[], None]) -> object:
+        """Call on_cancel (once, from the watch's thread) when a cancel of cancel_key is asked for; returns the
+        handle to discard."""
+        handle = object()
         with self._changed:
-            self._running[cancel_key] = (engine, request_id)
+            self._running[handle] = (cancel_key, on_cancel)
             self._changed.notify()
+        return handle
 
-    def discard(self, cancel_key: str) -> None:
+    def discard(self, handle: object) -> None:
         with self._changed:
-            self._running.pop(cancel_key, None)
+            self._running.pop(handle, None)
 
     def _run(self) -> None:
         while True:
@@ -218,14 +224,14 @@ class CancelWatch:
                 self._changed.wait_for(lambda: self._running)
                 running = list(self._running.items())
             try:
-                flags = events.cancels_requested(self._redis, [key for key, _ in running])
+                flags = events.cancels_requested(self._redis, [key for _, (key, _) in running])
             except Exception as exc:  # a Redis blip: try again next tick
                 print(f"xpu-jobs cancel watch: {exc}", flush=True)
                 flags = []
-            for (key, (engine, request_id)), cancelled in zip(running, flags):
+            for (handle, (_, on_cancel)), cancelled in zip(running, flags):
                 if cancelled:
-                    engine.cancel(request_id)
-                    self.discard(key)
+                    self.discard(handle)
+                    on_cancel()
             time.sleep(CANCEL_POLL_SECONDS)
 
 
@@ -242,11 +248,11 @@ def cancel_watch_for(node: Node) -> CancelWatch:
 def wait(node: Node, loaded: LoadedModel, future: Future, request_id: str, cancel_key: str) -> GenerationResult:
     """The engine's result; a cancel asked for meanwhile stops the request in the engine."""
     watch = cancel_watch_for(node)
-    watch.add(cancel_key, loaded.engine, request_id)
+    handle = watch.add(cancel_key, lambda: loaded.engine.cancel(request_id))
     try:
         return future.result()
     finally:
-        watch.discard(cancel_key)
+        watch.discard(handle)
 
 
 def run_request(node: Node, kind: str, record_id: str) -> None:
