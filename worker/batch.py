@@ -88,38 +88,37 @@ def run_chunk(node: Node, chunk_id: str) -> None:
     for position, entry in pending.items():
         entry[4].add_done_callback(lambda _, position=position: finished.put(position))
     cancel_asked = threading.Event()
-    watch = cancel_watch_for(node)
-    watching = watch.add(batch_id, cancel_asked.set)
-    while pending:
-        ready = []
-        with contextlib.suppress(queue.Empty):
-            ready.append(finished.get(timeout=POLL_SECONDS))
-            while True:
-                ready.append(finished.get_nowait())
-        if cancel_asked.is_set() and not cancelled:
-            cancelled = True
-            for _, _, request_id, loaded, _ in pending.values():
-                loaded.engine.cancel(request_id)
-        for position in ready:
-            custom_id, request, request_id, _, future = pending.pop(position)
-            result = future.result()
-            if result.finish_reason == "cancelled":
-                continue  # unfinished when the batch was cancelled: neither output nor error
-            try:
-                done = outcome(result)
-            except RequestFailed as exc:
-                fail(position, custom_id, exc.code, str(exc))
-                continue
-            results[position] = {"id": new_id("batch_request"), "custom_id": custom_id, "error": None,
-                                 "response": {"status_code": 200, "request_id": request_id,
-                                              "body": _body(endpoint, request_id, request["model"], done,
-                                                            request)}}
-            progress.update(completed=1, input_tokens=done["prompt_tokens"], output_tokens=done["completion_tokens"])
-        if progress:
-            store.add_counts("chunk", chunk_id, progress)
-            progress.clear()
+    with cancel_watch_for(node).watching(batch_id, cancel_asked.set):
+        while pending:
+            ready = []
+            with contextlib.suppress(queue.Empty):
+                ready.append(finished.get(timeout=POLL_SECONDS))
+                while True:
+                    ready.append(finished.get_nowait())
+            if cancel_asked.is_set() and not cancelled:
+                cancelled = True
+                for _, _, request_id, loaded, _ in pending.values():
+                    loaded.engine.cancel(request_id)
+            for position in ready:
+                custom_id, request, request_id, _, future = pending.pop(position)
+                result = future.result()
+                if result.finish_reason == "cancelled":
+                    continue  # unfinished when the batch was cancelled: neither output nor error
+                try:
+                    done = outcome(result)
+                except RequestFailed as exc:
+                    fail(position, custom_id, exc.code, str(exc))
+                    continue
+                results[position] = {"id": new_id("batch_request"), "custom_id": custom_id, "error": None,
+                                     "response": {"status_code": 200, "request_id": request_id,
+                                                  "body": _body(endpoint, request_id, request["model"], done,
+                                                                request)}}
+                progress.update(completed=1, input_tokens=done["prompt_tokens"],
+                                output_tokens=done["completion_tokens"])
+            if progress:
+                store.add_counts("chunk", chunk_id, progress)
+                progress.clear()
 
-    watch.discard(watching)
     timings["generated"] = time.time()
     out_path, err_path = batches.chunk_files(settings.artifact_root, tenant, batch_id, chunk["index"])
     ordered = sorted(results)

@@ -2,6 +2,7 @@
 engine that batches every concurrent request for it; fine-tuned adapters are loaded onto the loaded base once
 and chosen per request inside a batch, never by reloading the base."""
 
+import contextlib
 import gc
 import threading
 import time
@@ -9,7 +10,7 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from contract import catalog, events
 from contract.layout import adapter_dir, checkpoint_dir
@@ -205,16 +206,19 @@ class CancelWatch:
         self._changed = threading.Condition()
         threading.Thread(target=self._run, name="xpujobs-cancel-watch", daemon=True).start()
 
-    def add(self, cancel_key: str, on_cancel: Callable[[], None]) -> object:
-        """Call on_cancel (once, from the watch's thread) when a cancel of cancel_key is asked for; returns the
-        handle to discard."""
+    @contextlib.contextmanager
+    def watching(self, cancel_key: str, on_cancel: Callable[[], None]) -> Iterator[None]:
+        """Within the block, a cancel of cancel_key asked for calls on_cancel (once, from the watch's thread)."""
         handle = object()
         with self._changed:
             self._running[handle] = (cancel_key, on_cancel)
             self._changed.notify()
-        return handle
+        try:
+            yield
+        finally:
+            self._discard(handle)
 
-    def discard(self, handle: object) -> None:
+    def _discard(self, handle: object) -> None:
         with self._changed:
             self._running.pop(handle, None)
 
@@ -230,7 +234,7 @@ class CancelWatch:
                 flags = []
             for (handle, (_, on_cancel)), cancelled in zip(running, flags):
                 if cancelled:
-                    self.discard(handle)
+                    self._discard(handle)
                     on_cancel()
             time.sleep(CANCEL_POLL_SECONDS)
 
@@ -247,12 +251,8 @@ def cancel_watch_for(node: Node) -> CancelWatch:
 
 def wait(node: Node, loaded: LoadedModel, future: Future, request_id: str, cancel_key: str) -> GenerationResult:
     """The engine's result; a cancel asked for meanwhile stops the request in the engine."""
-    watch = cancel_watch_for(node)
-    handle = watch.add(cancel_key, lambda: loaded.engine.cancel(request_id))
-    try:
+    with cancel_watch_for(node).watching(cancel_key, lambda: loaded.engine.cancel(request_id)):
         return future.result()
-    finally:
-        watch.discard(handle)
 
 
 def run_request(node: Node, kind: str, record_id: str) -> None:
