@@ -1,10 +1,13 @@
 """The Batch API end to end through the official openai client."""
 
 import json
+import os
+import signal
 import time
 
+import httpx
 import pytest
-from conftest import _wait, wait_for_job
+from conftest import KEY_A, _wait, wait_for_job
 from test_fine_tune_e2e import ANSWER, QUESTION, training_jsonl
 
 TERMINAL = ("completed", "failed", "cancelled", "expired")
@@ -162,3 +165,34 @@ def test_cancel_keeps_finished_lines(client_a):
     assert 0 < len(output) < 200
     assert len(output) == done.request_counts.completed
     assert len({o["custom_id"] for o in output}) == len(output)
+
+
+def test_a_dead_engine_process_fails_its_lines_and_is_replaced(client_a, api_url):
+    """A node's models run in a child process. If it dies, the lines it held go to the error file, the worker
+    stays up, and the next request gets a new engine process."""
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+
+    def workers():
+        return {w["node"]: w for w in httpx.get(api_url + "/v1/workers", headers=headers).json()["data"]}
+
+    lines = [chat_line(f"e-{i}", "demo-tiny", max_tokens=2 + 4 * i, ignore_eos=True) for i in range(200)]
+    upload = client_a.files.create(file=("engine.jsonl", "\n".join(lines).encode()), purpose="batch")
+    batch = client_a.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                    completion_window="24h")
+    _wait(lambda: client_a.batches.retrieve(batch.id).request_counts.completed > 0, 120, "first results")
+    before = workers()
+    for worker in before.values():
+        if worker.get("engine_pid"):
+            os.kill(worker["engine_pid"], signal.SIGKILL)
+    done = _wait(lambda: (b := client_a.batches.retrieve(batch.id)).status in TERMINAL and b, 120, "batch")
+    assert done.status == "completed" and done.request_counts.failed > 0
+    assert done.request_counts.completed + done.request_counts.failed == 200
+    errors = read_lines(client_a, done.error_file_id)
+    assert {e["error"]["code"] for e in errors} == {"server_error"}
+    assert all("engine process exited" in e["error"]["message"] for e in errors)
+
+    reply = client_a.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "Hi"}],
+                                             max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 4
+    after = workers()
+    assert {n: w["pid"] for n, w in after.items()} == {n: w["pid"] for n, w in before.items()}

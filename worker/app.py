@@ -35,9 +35,10 @@ def _start_node(**_):
         sys.stdout.flush()
         os._exit(78)  # EX_CONFIG: a misconfigured node must not sit on the queue doing nothing
     _state["node"].start()
-    from worker.inference import freeze_heap
+    from worker.inference import freeze_heap, host_for
 
-    freeze_heap()  # after the imports; each model load freezes again
+    host_for(_state["node"]).start()  # the engine process imports torch and the model libraries meanwhile
+    freeze_heap()  # after the imports
     _state["reconciler"] = Reconciler(settings, app)
     _state["reconciler"].start()
 
@@ -53,4 +54,7 @@ def _stop_node(**_):
     if "reconciler" in _state:
         _state["reconciler"].stop()
     if "node" in _state:
+        from worker.inference import host_for
+
+        host_for(_state["node"]).close()
         _state["node"].stop()

@@ -9,6 +9,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future
+from typing import NamedTuple
 
 from pydantic import ValidationError
 
@@ -18,10 +19,19 @@ from contract.inference_requests import BODY_SCHEMAS
 from contract.layout import file_path
 from contract.records import new_id, now
 from contract.training_data import numbered_lines
-from worker.inference import RequestFailed, cancel_watch_for, outcome, start
+from worker.inference import RequestFailed, cancel_watch_for, host_for, outcome, start
 from worker.node import Node
 
 POLL_SECONDS = 0.2
+
+
+class _Running(NamedTuple):
+    """A line handed to the engines."""
+    custom_id: str | None
+    number: int  # in the input file
+    request: dict
+    request_id: str
+    future: Future
 
 
 def _error_line(custom_id: str | None, code: str, message: str) -> dict:
@@ -50,7 +60,7 @@ def run_chunk(node: Node, chunk_id: str) -> None:
 
     results: dict[int, dict] = {}  # position in chunk -> output or error line
     failed_positions: set[int] = set()
-    pending: dict[int, tuple[str, dict, str, object, Future]] = {}
+    pending: dict[int, _Running] = {}
     expired = now() > batch["expires_at"]
 
     progress: Counter[str] = Counter()  # flushed to the chunk record once per wake-up, not once per line
@@ -71,8 +81,8 @@ def run_chunk(node: Node, chunk_id: str) -> None:
         try:
             request = BODY_SCHEMAS[endpoint].model_validate(body).normal()
             request_id = new_id("batch_request")
-            loaded, future = start(node, request_id, tenant, request)
-            pending[position] = (custom_id, request, request_id, loaded, future)
+            pending[position] = _Running(custom_id, number, request, request_id,
+                                         start(node, request_id, tenant, request))
         except ValidationError as exc:
             first = exc.errors()[0]
             fail(position, custom_id, "invalid_request",
@@ -85,8 +95,8 @@ def run_chunk(node: Node, chunk_id: str) -> None:
     store.add_counts("chunk", chunk_id, progress)
     progress.clear()
     finished: queue.SimpleQueue[int] = queue.SimpleQueue()  # positions, put by the engine as each one ends
-    for position, entry in pending.items():
-        entry[4].add_done_callback(lambda _, position=position: finished.put(position))
+    for position, running in pending.items():
+        running.future.add_done_callback(lambda _, position=position: finished.put(position))
     cancel_asked = threading.Event()
     with cancel_watch_for(node).watching(batch_id, cancel_asked.set):
         while pending:
@@ -97,22 +107,23 @@ def run_chunk(node: Node, chunk_id: str) -> None:
                     ready.append(finished.get_nowait())
             if cancel_asked.is_set() and not cancelled:
                 cancelled = True
-                for _, _, request_id, loaded, _ in pending.values():
-                    loaded.engine.cancel(request_id)
+                host = host_for(node)
+                for running in pending.values():
+                    host.cancel(running.request_id)
             for position in ready:
-                custom_id, request, request_id, _, future = pending.pop(position)
-                result = future.result()
-                if result.finish_reason == "cancelled":
-                    continue  # unfinished when the batch was cancelled: neither output nor error
+                line = pending.pop(position)
                 try:
+                    result = line.future.result()
+                    if result.finish_reason == "cancelled":
+                        continue  # unfinished when the batch was cancelled: neither output nor error
                     done = outcome(result)
                 except RequestFailed as exc:
-                    fail(position, custom_id, exc.code, str(exc))
+                    fail(position, line.custom_id, exc.code, f"line {line.number}: {exc}")
                     continue
-                results[position] = {"id": new_id("batch_request"), "custom_id": custom_id, "error": None,
-                                     "response": {"status_code": 200, "request_id": request_id,
-                                                  "body": _body(endpoint, request_id, request["model"], done,
-                                                                request)}}
+                results[position] = {"id": new_id("batch_request"), "custom_id": line.custom_id, "error": None,
+                                     "response": {"status_code": 200, "request_id": line.request_id,
+                                                  "body": _body(endpoint, line.request_id, line.request["model"],
+                                                                done, line.request)}}
                 progress.update(completed=1, input_tokens=done["prompt_tokens"],
                                 output_tokens=done["completion_tokens"])
             if progress:

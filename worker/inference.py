@@ -1,6 +1,9 @@
 """Inference on this node. Base models stay loaded (a cache bounded by a byte budget), each with a generation
 engine that batches every concurrent request for it; fine-tuned adapters are loaded onto the loaded base once
-and chosen per request inside a batch, never by reloading the base."""
+and chosen per request inside a batch, never by reloading the base.
+
+The models and engines live in the node's engine process (worker/engine_host.py): `start` runs in the worker and
+hands a request over; `submit` and the ModelCache run in that process."""
 
 import contextlib
 import gc
@@ -10,7 +13,7 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from contract import catalog, events
 from contract.layout import adapter_dir, checkpoint_dir
@@ -20,6 +23,9 @@ from worker import devices
 from worker.engine import Engine, GenerationRequest, GenerationResult, SamplingParams
 from worker.models import ModelLoadError, load_model_and_tokenizer
 from worker.node import Node
+
+if TYPE_CHECKING:
+    from worker.engine_host import EngineHost
 
 CANCEL_POLL_SECONDS = 0.1
 
@@ -112,6 +118,12 @@ class ModelCache:
             loaded.adapters.add(name)
 
 
+    def close(self) -> None:
+        with self._lock:
+            for loaded in self._models.values():
+                loaded.engine.close()
+            self._models.clear()
+
     def report(self) -> dict:
         """What the registry shows of this node's loaded models and their engines."""
         with self._lock:
@@ -131,16 +143,19 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-_caches: dict[str, ModelCache] = {}
-_caches_lock = threading.Lock()
+_hosts: dict[str, "EngineHost"] = {}
+_hosts_lock = threading.Lock()
 
 
-def cache_for(node: Node) -> ModelCache:
-    with _caches_lock:
-        if node.name not in _caches:
-            _caches[node.name] = ModelCache(node.settings, node.backend)
-            node.reporters.append(_caches[node.name].report)
-        return _caches[node.name]
+def host_for(node: Node) -> "EngineHost":
+    """The node's engine process (started on first use), whose models the registry reports."""
+    from worker.engine_host import EngineHost
+
+    with _hosts_lock:
+        if node.name not in _hosts:
+            _hosts[node.name] = EngineHost(node.backend)
+            node.reporters.append(_hosts[node.name].report)
+        return _hosts[node.name]
 
 
 def adapter_of(tenant: str, ref, settings: Settings) -> tuple[str, Path] | None:
@@ -161,16 +176,21 @@ def prompt_ids(tokenizer, request: dict) -> list[int]:
                                          return_dict=True)["input_ids"]
 
 
-def start(node: Node, request_id: str, tenant: str, request: dict) -> tuple[LoadedModel, Future]:
-    """Resolve the model, load base and adapter as needed, and hand the request to the engine."""
+def start(node: Node, request_id: str, tenant: str, request: dict) -> Future:
+    """Resolve the model and hand the request to the node's engine process. The future's result is a
+    GenerationResult; it raises RequestFailed when the model, adapter or prompt cannot be served."""
     try:
         base, ref = catalog.resolve(request["model"], tenant, node.settings, node.store)
     except catalog.UnknownModel as exc:
         raise RequestFailed("model_not_found", str(exc)) from None
-    cache = cache_for(node)
+    return host_for(node).generate(request_id, base, adapter_of(tenant, ref, node.settings), request)
+
+
+def submit(cache: ModelCache, request_id: str, base: str, adapter: tuple[str, Path] | None,
+           request: dict) -> tuple[Engine, Future]:
+    """In the engine process: load base and adapter as needed, and give the request to the base's engine."""
     loaded = cache.get(base, request.get("attn_implementation") or "sdpa", request.get("quantization") or "none",
                        bool(request.get("use_kernels")))
-    adapter = adapter_of(tenant, ref, node.settings)
     if adapter:
         cache.attach_adapter(loaded, *adapter)
     ids = prompt_ids(loaded.tokenizer, request)
@@ -184,7 +204,7 @@ def start(node: Node, request_id: str, tenant: str, request: dict) -> tuple[Load
                             top_p=request.get("top_p") or 1.0, seed=request.get("seed"),
                             stop=list(request.get("stop") or []), ignore_eos=bool(request.get("ignore_eos")))
     future = loaded.engine.submit(GenerationRequest(request_id, ids, params, adapter[0] if adapter else None))
-    return loaded, future
+    return loaded.engine, future
 
 
 def outcome(result: GenerationResult) -> dict:
@@ -243,15 +263,15 @@ _watches: dict[str, CancelWatch] = {}
 
 
 def cancel_watch_for(node: Node) -> CancelWatch:
-    with _caches_lock:
+    with _hosts_lock:
         if node.name not in _watches:
             _watches[node.name] = CancelWatch(node)
         return _watches[node.name]
 
 
-def wait(node: Node, loaded: LoadedModel, future: Future, request_id: str, cancel_key: str) -> GenerationResult:
+def wait(node: Node, future: Future, request_id: str, cancel_key: str) -> GenerationResult:
     """The engine's result; a cancel asked for meanwhile stops the request in the engine."""
-    with cancel_watch_for(node).watching(cancel_key, lambda: loaded.engine.cancel(request_id)):
+    with cancel_watch_for(node).watching(cancel_key, lambda: host_for(node).cancel(request_id)):
         return future.result()
 
 
@@ -266,9 +286,9 @@ def run_request(node: Node, kind: str, record_id: str) -> None:
     # Wall-clock stamps (the API wrote "received"), so a slow request shows where its time went.
     timings = {**(record.get("timings") or {}), "claimed": time.time()}
     try:
-        loaded, future = start(node, record_id, record["tenant"], record["request"])
+        future = start(node, record_id, record["tenant"], record["request"])
         timings["submitted"] = time.time()
-        result = wait(node, loaded, future, record_id, record_id)
+        result = wait(node, future, record_id, record_id)
         timings["generated"] = time.time()
         fields = {"status": "cancelled" if result.finish_reason == "cancelled" else "completed",
                   "result": outcome(result)}

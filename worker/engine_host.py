@@ -1,0 +1,209 @@
+"""A worker node's models and generation engines, in a process of their own.
+
+The engine's host loop is Python: it needs the GIL between device calls. In the worker process it would share the
+GIL with Celery's consumer, the request threads and the heartbeat, and every moment one of them holds it, the
+device waits (bench/gil.py: on an H200, two threads holding the GIL a fifth of the time each slowed the engine by
+25-40%). So the node's requests go through a pipe to a child process that owns the models and engines, and their
+results come back the same way. If the child dies (out of device memory, a crash in a kernel), the requests it
+held fail and the next request starts a new child.
+
+The child is spawned, not forked (a forked device runtime is unusable), and inherits the node's environment,
+device mask included. It exits when the worker goes away: its end of the pipe then reads EOF.
+"""
+
+import contextlib
+import itertools
+import multiprocessing
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from worker.engine import GenerationResult
+from worker.inference import RequestFailed
+
+REPORT_TIMEOUT_SECONDS = 5.0
+# Requests being prepared at once in the child (model load, adapter load, tokenization) before they reach an
+# engine; a load blocks only the requests that need that model.
+PREPARE_THREADS = 8
+
+
+class EngineHost:
+    """The worker's side: hands requests to the child process and resolves their futures from its answers."""
+
+    def __init__(self, backend: str):
+        self._backend = backend
+        self._lock = threading.Lock()  # the pipe's sending end, the child, and the pending futures
+        self._conn: Connection | None = None
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._pending: dict[str, tuple[Connection, Future]] = {}  # request id -> its child's pipe, its result
+        self._reports: dict[int, Future] = {}
+        self._call_ids = itertools.count()
+
+    def start(self) -> None:
+        with self._lock:
+            self._ensure_child()
+
+    def generate(self, request_id: str, base: str, adapter: tuple[str, Path] | None, request: dict) -> Future:
+        """The future of a GenerationResult; it raises RequestFailed when the model, the adapter or the prompt
+        cannot be served."""
+        future: Future = Future()
+        with self._lock:
+            for _ in range(2):  # a child found dead on sending is replaced once
+                self._ensure_child()
+                self._pending[request_id] = (self._conn, future)
+                try:
+                    self._conn.send(("generate", request_id, base, adapter, request))
+                    return future
+                except OSError:
+                    self._pending.pop(request_id, None)
+                    self._proc.join(5)
+        raise RequestFailed("server_error", "The worker's engine process could not be started.")
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock, contextlib.suppress(OSError):  # a dead child has nothing left to cancel
+            if self._conn is not None and request_id in self._pending:
+                self._conn.send(("cancel", request_id))
+
+    def report(self) -> dict:
+        """What the registry shows of the loaded models and their engines (nothing while no child runs)."""
+        future: Future = Future()
+        with self._lock:
+            if self._conn is None:
+                return {"models": [], "engine_pid": None}
+            call_id = next(self._call_ids)
+            self._reports[call_id] = future
+            pid = self._proc.pid
+            try:
+                self._conn.send(("report", call_id))
+            except OSError:
+                self._reports.pop(call_id, None)
+                return {"models": [], "engine_pid": None}
+        try:
+            return {**future.result(timeout=REPORT_TIMEOUT_SECONDS), "engine_pid": pid}
+        except TimeoutError:
+            return {"models": [], "engine_pid": pid, "engine_process": "not answering"}
+        finally:
+            with self._lock:
+                self._reports.pop(call_id, None)
+
+    def close(self) -> None:
+        with self._lock:
+            conn, proc = self._conn, self._proc
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    conn.send(("close",))
+        if proc is not None:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+
+    def _ensure_child(self) -> None:
+        if self._proc is not None and self._proc.is_alive():
+            return
+        context = multiprocessing.get_context("spawn")
+        ours, theirs = context.Pipe()
+        proc = context.Process(target=serve, args=(theirs, self._backend), name="xpujobs-engines", daemon=True)
+        proc.start()
+        theirs.close()
+        self._conn, self._proc = ours, proc
+        threading.Thread(target=self._read, args=(ours, proc), name="xpujobs-engine-results", daemon=True).start()
+
+    def _read(self, conn: Connection, proc) -> None:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                break
+            kind = message[0]
+            if kind == "report":
+                with self._lock:
+                    future = self._reports.get(message[1])
+                if future is not None:
+                    future.set_result(message[2])
+                continue
+            with self._lock:
+                _, future = self._pending.pop(message[1], (None, None))
+            if future is None:
+                continue
+            if kind == "result":
+                future.set_result(message[2])
+            else:  # "failed"
+                future.set_exception(RequestFailed(message[2], message[3]))
+        with self._lock:  # a new child may already be serving newer requests: fail only this one's
+            if self._conn is conn:
+                self._conn, self._proc = None, None
+            lost = [self._pending.pop(rid)[1] for rid, (c, _) in list(self._pending.items()) if c is conn]
+        proc.join(5)
+        for future in lost:
+            future.set_exception(RequestFailed(
+                "server_error", f"The worker's engine process exited (exit code {proc.exitcode}) while this request "
+                                "ran; it can be sent again."))
+
+
+def serve(conn: Connection, backend: str) -> None:
+    """The child: loads models, runs their engines, and answers the worker through `conn` until it closes."""
+    from contract.settings import Settings
+    from worker.inference import ModelCache, freeze_heap, submit
+
+    cache = ModelCache(Settings(), backend)
+    send_lock = threading.Lock()
+    lock = threading.Lock()  # the two maps below
+    engines = {}  # request id -> the engine running it
+    preparing: dict[str, bool] = {}  # request id -> whether a cancel came before it reached its engine
+    prepare = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="xpujobs-prepare")
+
+    def send(message: tuple) -> None:
+        with send_lock:
+            conn.send(message)
+
+    def finished(request_id: str, result: GenerationResult) -> None:
+        with lock:
+            engines.pop(request_id, None)
+        send(("result", request_id, result))
+
+    def start(request_id: str, base: str, adapter, request: dict) -> None:
+        try:
+            engine, future = submit(cache, request_id, base, adapter, request)
+        except RequestFailed as exc:
+            with lock:
+                preparing.pop(request_id, None)
+            send(("failed", request_id, exc.code, str(exc)))
+            return
+        except Exception as exc:  # one bad request must not take the engines down
+            with lock:
+                preparing.pop(request_id, None)
+            send(("failed", request_id, "server_error", f"{type(exc).__name__}: {exc}"))
+            return
+        with lock:
+            engines[request_id] = engine
+            cancelled_early = preparing.pop(request_id, False)
+        if cancelled_early:
+            engine.cancel(request_id)
+        future.add_done_callback(lambda done: finished(request_id, done.result()))
+
+    freeze_heap()
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the worker is gone
+            break
+        kind = message[0]
+        if kind == "generate":
+            with lock:
+                preparing[message[1]] = False
+            prepare.submit(start, *message[1:])
+        elif kind == "cancel":
+            with lock:
+                engine = engines.get(message[1])
+                if engine is None and message[1] in preparing:
+                    preparing[message[1]] = True
+            if engine is not None:
+                engine.cancel(message[1])
+        elif kind == "report":
+            send(("report", message[1], cache.report()))
+        elif kind == "close":
+            break
+    cache.close()
+    os._exit(0)  # the engines' and the pool's threads hold nothing that must outlive the process
