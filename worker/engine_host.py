@@ -24,8 +24,8 @@ from worker.engine import GenerationResult
 from worker.inference import RequestFailed
 
 REPORT_TIMEOUT_SECONDS = 5.0
-# Requests being prepared at once in the child (model load, adapter load, tokenization) before they reach an
-# engine; a load blocks only the requests that need that model.
+# Requests being prepared at once in the child (model load, adapter load) before they reach an engine; a load
+# blocks only the requests that need that model.
 PREPARE_THREADS = 8
 
 
@@ -45,7 +45,8 @@ class EngineHost:
         with self._lock:
             self._ensure_child()
 
-    def generate(self, request_id: str, base: str, adapter: tuple[str, Path] | None, request: dict) -> Future:
+    def generate(self, request_id: str, base: str, adapter: tuple[str, Path] | None, request: dict,
+                 prompt_ids: list[int]) -> Future:
         """The future of a GenerationResult; it raises RequestFailed when the model, the adapter or the prompt
         cannot be served."""
         future: Future = Future()
@@ -54,7 +55,7 @@ class EngineHost:
                 self._ensure_child()
                 self._pending[request_id] = (self._conn, future)
                 try:
-                    self._conn.send(("generate", request_id, base, adapter, request))
+                    self._conn.send(("generate", request_id, base, adapter, request, prompt_ids))
                     return future
                 except OSError:
                     self._pending.pop(request_id, None)
@@ -163,9 +164,9 @@ def serve(conn: Connection, backend: str) -> None:
             engines.pop(request_id, None)
         send(("result", request_id, result))
 
-    def start(request_id: str, base: str, adapter, request: dict) -> None:
+    def start(request_id: str, base: str, adapter, request: dict, prompt_ids: list[int]) -> None:
         try:
-            engine, future = submit(cache, request_id, base, adapter, request)
+            engine, future = submit(cache, request_id, base, adapter, request, prompt_ids)
         except RequestFailed as exc:
             with lock:
                 preparing.pop(request_id, None)

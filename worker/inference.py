@@ -21,7 +21,7 @@ from contract.records import now
 from contract.settings import Settings
 from worker import devices
 from worker.engine import Engine, GenerationRequest, GenerationResult, SamplingParams
-from worker.models import ModelLoadError, load_model_and_tokenizer
+from worker.models import ModelLoadError, load_model_and_tokenizer, load_tokenizer
 from worker.node import Node
 
 if TYPE_CHECKING:
@@ -39,7 +39,6 @@ class RequestFailed(Exception):
 @dataclass
 class LoadedModel:
     engine: Engine
-    tokenizer: object
     max_positions: int | None
     nbytes: int
     adapters: set[str] = field(default_factory=set)
@@ -90,7 +89,7 @@ class ModelCache:
                             max_batch_size=self.settings.engine_max_batch_size,
                             max_seq_len=min(self.settings.engine_max_seq_len, context or 1 << 30))
             engine.warmup()  # every batch size's decode graph now, not in the middle of someone's requests
-            loaded = LoadedModel(engine, tokenizer, context, nbytes)
+            loaded = LoadedModel(engine, context, nbytes)
             with self._lock:
                 self._models[key] = loaded
             freeze_heap()
@@ -176,24 +175,40 @@ def prompt_ids(tokenizer, request: dict) -> list[int]:
                                          return_dict=True)["input_ids"]
 
 
+_tokenizers: dict[str, object] = {}
+_tokenizers_lock = threading.Lock()
+
+
+def tokenizer_for(base: str, settings: Settings):
+    """The base model's tokenizer, kept in the worker: prompts are tokenized here, so the engine process spends
+    its GIL on generation only."""
+    with _tokenizers_lock:
+        if base not in _tokenizers:
+            try:
+                _tokenizers[base] = load_tokenizer(base, settings)
+            except ModelLoadError as exc:
+                raise RequestFailed(exc.code, str(exc)) from None
+        return _tokenizers[base]
+
+
 def start(node: Node, request_id: str, tenant: str, request: dict) -> Future:
-    """Resolve the model and hand the request to the node's engine process. The future's result is a
-    GenerationResult; it raises RequestFailed when the model, adapter or prompt cannot be served."""
+    """Resolve the model, tokenize the prompt, and hand the request to the node's engine process. The future's
+    result is a GenerationResult; it raises RequestFailed when the model, adapter or prompt cannot be served."""
     try:
         base, ref = catalog.resolve(request["model"], tenant, node.settings, node.store)
     except catalog.UnknownModel as exc:
         raise RequestFailed("model_not_found", str(exc)) from None
-    return host_for(node).generate(request_id, base, adapter_of(tenant, ref, node.settings), request)
+    ids = prompt_ids(tokenizer_for(base, node.settings), request)
+    return host_for(node).generate(request_id, base, adapter_of(tenant, ref, node.settings), request, ids)
 
 
-def submit(cache: ModelCache, request_id: str, base: str, adapter: tuple[str, Path] | None,
-           request: dict) -> tuple[Engine, Future]:
+def submit(cache: ModelCache, request_id: str, base: str, adapter: tuple[str, Path] | None, request: dict,
+           ids: list[int]) -> tuple[Engine, Future]:
     """In the engine process: load base and adapter as needed, and give the request to the base's engine."""
     loaded = cache.get(base, request.get("attn_implementation") or "sdpa", request.get("quantization") or "none",
                        bool(request.get("use_kernels")))
     if adapter:
         cache.attach_adapter(loaded, *adapter)
-    ids = prompt_ids(loaded.tokenizer, request)
     if loaded.max_positions and len(ids) + request["max_tokens"] > loaded.max_positions:
         raise RequestFailed("invalid_prompt", f"The prompt ({len(ids)} tokens) plus max tokens "
                                               f"({request['max_tokens']}) exceeds the model's context of "

@@ -18,9 +18,27 @@ def model_source(name: str, settings: Settings) -> str:
     return str(local) if local.is_dir() else name
 
 
+def load_tokenizer(name: str, settings: Settings):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_source(name, settings),
+                                                  trust_remote_code=settings.trust_remote_code)
+    except OSError as exc:
+        raise _unavailable(name, settings, exc) from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _unavailable(name: str, settings: Settings, exc: Exception) -> ModelLoadError:
+    return ModelLoadError("model_not_available", f"Model '{name}' is not available on this worker (not under "
+                                                 f"{settings.models_root} and not fetchable): {exc}")
+
+
 def load_model_and_tokenizer(name: str, settings: Settings, backend: str, *, attn_implementation: str = "sdpa",
                              quantization: str = "none", use_kernels: bool = False, for_training: bool = False):
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     if attn_implementation == "flash_attention_2" and backend == "cpu":
         raise ModelLoadError("unsupported_attention", "attn_implementation 'flash_attention_2' needs an XPU or "
@@ -43,10 +61,9 @@ def load_model_and_tokenizer(name: str, settings: Settings, backend: str, *, att
         kwargs["device_map"] = "auto"  # spread a model too large for one device over the group
     else:
         kwargs["device_map"] = {"": devices.rank_device(backend) if for_training else devices.torch_device(backend)}
-    source = model_source(name, settings)
+    tokenizer = load_tokenizer(name, settings)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=settings.trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(model_source(name, settings), **kwargs)
     except (ImportError, ValueError) as exc:
         text = str(exc).lower()
         code = "kernels_unavailable" if use_kernels and "kernels" in text else \
@@ -55,11 +72,7 @@ def load_model_and_tokenizer(name: str, settings: Settings, backend: str, *, att
                                    f"quantization={quantization!r}, use_kernels={use_kernels} on {backend}: "
                                    f"{exc}") from None
     except OSError as exc:
-        raise ModelLoadError("model_not_available", f"Model '{name}' is not available on this worker "
-                                                    f"(not under {settings.models_root} and not fetchable): "
-                                                    f"{exc}") from None
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+        raise _unavailable(name, settings, exc) from None
     if not for_training:
         model.eval()
     return model, tokenizer
