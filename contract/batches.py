@@ -26,6 +26,20 @@ def chunk_files(root: Path, tenant: str, batch_id: str, index: int) -> tuple[Pat
     return base.with_suffix(".out.jsonl"), base.with_suffix(".err.jsonl")
 
 
+def _chunk_input(root: Path, tenant: str, batch_id: str, index: int) -> Path:
+    return job_dir(root, tenant, batch_id) / f"chunk-{index:05d}.in.jsonl"
+
+
+def write_chunk_input(root: Path, tenant: str, batch_id: str, index: int, lines: list[tuple[int, str]]) -> None:
+    """A chunk's own lines with their numbers in the input file, so its task reads only those."""
+    write_atomically(_chunk_input(root, tenant, batch_id, index), [json.dumps(entry) for entry in lines])
+
+
+def read_chunk_input(root: Path, tenant: str, batch_id: str, index: int) -> list[tuple[int, str]]:
+    return [tuple(json.loads(entry)) for entry in
+            _chunk_input(root, tenant, batch_id, index).read_text(encoding="utf-8").splitlines()]
+
+
 def write_atomically(path: Path, lines: list[str]) -> None:
     """A redone chunk replaces its files whole, so no line is ever written twice."""
     path.parent.mkdir(parents=True, exist_ok=True)

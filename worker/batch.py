@@ -16,9 +16,7 @@ from pydantic import ValidationError
 from contract import batches, events
 from contract.inference_outputs import BUILDERS, response
 from contract.inference_requests import BODY_SCHEMAS
-from contract.layout import file_path
 from contract.records import new_id, now
-from contract.training_data import numbered_lines
 from worker.inference import RequestFailed, cancel_watch_for, host_for, outcome, start
 from worker.node import Node
 
@@ -55,8 +53,7 @@ def run_chunk(node: Node, chunk_id: str) -> None:
     timings = {"claimed": time.time()}  # wall-clock stamps, so a slow batch shows where its time went
     batch = store.get("batch", chunk["batch_id"])
     batch_id, tenant, endpoint = batch["id"], batch["tenant"], batch["endpoint"]
-    numbered, _ = numbered_lines(file_path(settings.artifact_root, tenant, batch["input_file_id"]).read_bytes())
-    mine = numbered[chunk["start"]:chunk["end"]]
+    mine = batches.read_chunk_input(settings.artifact_root, tenant, batch_id, chunk["index"])
 
     results: dict[int, dict] = {}  # position in chunk -> output or error line
     failed_positions: set[int] = set()

@@ -119,9 +119,10 @@ def create_batch(body: BatchCreate, tenant: TenantDep, settings: SettingsDep, st
     size = settings.batch_chunk_lines
     n_chunks = (len(lines) + size - 1) // size
     for index in range(n_chunks):
+        batches.write_chunk_input(settings.artifact_root, tenant, batch_id, index,
+                                  lines[index * size:(index + 1) * size])
         store.create("chunk", {"id": batches.chunk_id(batch_id, index), "tenant": tenant, "batch_id": batch_id,
-                               "index": index, "start": index * size, "end": min(len(lines), (index + 1) * size),
-                               "status": "queued", "queue": chunk_queues[index % len(chunk_queues)],
+                               "index": index, "status": "queued", "queue": chunk_queues[index % len(chunk_queues)],
                                "attempts": 0, "created_at": created})
         store.track("chunk", batches.chunk_id(batch_id, index))  # from now on the reconciler publishes it
     store.update("batch", batch_id, {"status": "in_progress", "in_progress_at": now(), "total": len(lines),
