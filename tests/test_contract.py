@@ -1,10 +1,11 @@
 """The contract package on its own: records, events, routing, layout and training-data validation."""
 
 import json
+import time
 
 import pytest
 
-from contract import events
+from contract import events, registry
 from contract.layout import fine_tuned_model_id, parse_fine_tuned, safe_name
 from contract.records import RecordStore, new_id
 from contract.routing import NoCapableWorker, Requirement, choose_queue
@@ -84,3 +85,22 @@ def test_training_validation_reports_lines():
     assert count == 1
     assert [e.split(":")[0] for e in errors] == ["line 2", "line 3", "line 4"]
     assert validate_training_bytes(b"\xff\xfe")[1][0].startswith("the file is not UTF-8")
+
+
+def test_registry_lists_live_nodes_and_drops_lapsed_ones(redis_url):
+    import redis
+
+    # Database 9, apart from the running workers' registry in 0 (a URL's own database wins over a db= argument).
+    client = redis.Redis.from_url(redis_url.rsplit("/", 1)[0] + "/9", decode_responses=True)
+    assert client.connection_pool.connection_kwargs["db"] == 9
+    client.delete(registry.INDEX, registry.KEY_PREFIX + "steady@host", registry.KEY_PREFIX + "brief@host")
+    registry.register(client, "steady@host", {"node": "steady@host"}, ttl_seconds=30)
+    registry.register(client, "brief@host", {"node": "brief@host"}, ttl_seconds=0.2)
+    assert sorted(w["node"] for w in registry.live_workers(client)) == ["brief@host", "steady@host"]
+    time.sleep(0.4)
+    assert [w["node"] for w in registry.live_workers(client)] == ["steady@host"]
+    assert client.smembers(registry.INDEX) == {"steady@host"}
+    registry.register(client, "brief@host", {"node": "brief@host"}, ttl_seconds=30)  # it comes back
+    assert len(registry.live_workers(client)) == 2
+    registry.unregister(client, "steady@host")
+    assert [w["node"] for w in registry.live_workers(client)] == ["brief@host"]

@@ -11,7 +11,6 @@ The child is spawned, not forked (a forked device runtime is unusable), and inhe
 device mask included. It exits when the worker goes away: its end of the pipe then reads EOF.
 """
 
-import contextlib
 import itertools
 import multiprocessing
 import os
@@ -34,7 +33,10 @@ class EngineHost:
 
     def __init__(self, backend: str):
         self._backend = backend
-        self._lock = threading.Lock()  # the pipe's sending end, the child, and the pending futures
+        # The state lock guards the fields below and is never held while waiting on the pipe: the reader thread
+        # needs it to drain the child's answers, and a full pipe in both directions would otherwise deadlock.
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()  # one message at a time on the pipe
         self._conn: Connection | None = None
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._pending: dict[str, tuple[Connection, Future]] = {}  # request id -> its child's pipe, its result
@@ -45,27 +47,37 @@ class EngineHost:
         with self._lock:
             self._ensure_child()
 
+    def _send(self, conn: Connection, message: tuple) -> bool:
+        """False when the child is gone."""
+        try:
+            with self._send_lock:
+                conn.send(message)
+            return True
+        except OSError:
+            return False
+
     def generate(self, request_id: str, base: str, adapter: tuple[str, Path] | None, request: dict,
                  prompt_ids: list[int]) -> Future:
         """The future of a GenerationResult; it raises RequestFailed when the model, the adapter or the prompt
         cannot be served."""
         future: Future = Future()
-        with self._lock:
-            for _ in range(2):  # a child found dead on sending is replaced once
+        for _ in range(2):  # a child found dead on sending is replaced once
+            with self._lock:
                 self._ensure_child()
-                self._pending[request_id] = (self._conn, future)
-                try:
-                    self._conn.send(("generate", request_id, base, adapter, request, prompt_ids))
-                    return future
-                except OSError:
-                    self._pending.pop(request_id, None)
-                    self._proc.join(5)
+                conn, proc = self._conn, self._proc
+                self._pending[request_id] = (conn, future)
+            if self._send(conn, ("generate", request_id, base, adapter, request, prompt_ids)):
+                return future
+            with self._lock:
+                self._pending.pop(request_id, None)
+            proc.join(5)
         raise RequestFailed("server_error", "The worker's engine process could not be started.")
 
     def cancel(self, request_id: str) -> None:
-        with self._lock, contextlib.suppress(OSError):  # a dead child has nothing left to cancel
-            if self._conn is not None and request_id in self._pending:
-                self._conn.send(("cancel", request_id))
+        with self._lock:
+            conn = self._pending.get(request_id, (None, None))[0]
+        if conn is not None:
+            self._send(conn, ("cancel", request_id))  # a dead child has nothing left to cancel
 
     def report(self) -> dict:
         """What the registry shows of the loaded models and their engines (nothing while no child runs)."""
@@ -73,15 +85,11 @@ class EngineHost:
         with self._lock:
             if self._conn is None:
                 return {"models": [], "engine_pid": None}
-            call_id = next(self._call_ids)
+            conn, pid, call_id = self._conn, self._proc.pid, next(self._call_ids)
             self._reports[call_id] = future
-            pid = self._proc.pid
-            try:
-                self._conn.send(("report", call_id))
-            except OSError:
-                self._reports.pop(call_id, None)
-                return {"models": [], "engine_pid": None}
         try:
+            if not self._send(conn, ("report", call_id)):
+                return {"models": [], "engine_pid": None}
             return {**future.result(timeout=REPORT_TIMEOUT_SECONDS), "engine_pid": pid}
         except TimeoutError:
             return {"models": [], "engine_pid": pid, "engine_process": "not answering"}
@@ -92,9 +100,8 @@ class EngineHost:
     def close(self) -> None:
         with self._lock:
             conn, proc = self._conn, self._proc
-            if conn is not None:
-                with contextlib.suppress(OSError):
-                    conn.send(("close",))
+        if conn is not None:
+            self._send(conn, ("close",))
         if proc is not None:
             proc.join(30)
             if proc.is_alive():
