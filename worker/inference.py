@@ -116,7 +116,6 @@ class ModelCache:
             engine.warmup()  # update_model dropped the captured graphs
             loaded.adapters.add(name)
 
-
     def close(self) -> None:
         with self._lock:
             for loaded in self._models.values():
