@@ -86,8 +86,9 @@ def refresh_lease(client: redis.Redis, job_id: str, holder: str, seconds: float)
     client.set(lease_key(job_id), holder, px=int(seconds * 1000))
 
 
-def lease_holder(client: redis.Redis, job_id: str) -> str | None:
-    return client.get(lease_key(job_id))
+def lease_holders(client: redis.Redis, job_ids: list[str]) -> list[str | None]:
+    """Who holds each job's lease (None where it lapsed), in one round trip."""
+    return client.mget([lease_key(j) for j in job_ids]) if job_ids else []
 
 
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"

@@ -35,7 +35,3 @@ def live_workers(client: redis.Redis) -> list[dict[str, Any]]:
     if lapsed:
         client.srem(INDEX, *lapsed)  # a node that comes back registers itself again
     return [json.loads(v) for v in values if v]
-
-
-def is_live(client: redis.Redis, node: str) -> bool:
-    return client.exists(KEY_PREFIX + node) == 1

@@ -14,7 +14,7 @@ from contract import events
 from contract.queues import TASK_OF, publish
 from contract.records import RecordStore, now
 from contract.redis_conn import sync_client
-from contract.registry import is_live, live_workers
+from contract.registry import live_workers
 from contract.routing import NoCapableWorker, Requirement, choose_queue
 from contract.settings import Settings
 
@@ -45,15 +45,20 @@ class Reconciler:
                 print(f"xpu-jobs reconciler: {exc}", flush=True)
 
     def run_once(self) -> None:
+        # A few round trips per kind, whatever the number of jobs in flight: records, leases and live nodes are
+        # each read at once.
+        live = {w["node"] for w in live_workers(self.redis)}
         for kind in TASK_OF:
-            for record_id in self.store.tracked(kind):
-                record = self.store.get(kind, record_id)
+            record_ids = sorted(self.store.tracked(kind))
+            records = self.store.get_many(kind, record_ids)
+            holders = events.lease_holders(self.redis, record_ids)
+            for record_id, record, holder in zip(record_ids, records, holders):
                 if record is None or record["status"] not in ("queued", RUNNING[kind]):
                     self.store.untrack(kind, record_id)
-                elif record["status"] == RUNNING[kind] and events.lease_holder(self.redis, record_id) is None:
+                elif record["status"] == RUNNING[kind] and holder is None:
                     self._requeue(kind, record, "its worker stopped answering")
                 elif record["status"] == "queued" and record.get("queue", "").startswith("xpujobs.node.") \
-                        and not is_live(self.redis, record["queue"].removeprefix("xpujobs.node.")):
+                        and record["queue"].removeprefix("xpujobs.node.") not in live:
                     self._requeue(kind, record, "the worker it was routed to is gone", running=False)
                 elif record["status"] == "queued" and not record.get("published_at") \
                         and now() - int(record.get("created_at") or 0) > self.settings.lease_seconds:
