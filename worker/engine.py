@@ -1089,13 +1089,7 @@ class Engine:
             h = _rms(x, layer.ln2, nat.eps)
             g = nat.act(self._lin(h, layer.lin["gate_proj"], mask)) * self._lin(h, layer.lin["up_proj"], mask)
             x = x + self._lin(g, layer.lin["down_proj"], mask)
-        xn = _rms(x, nat.norm, nat.eps)
-        out = self.logits_buf[:B]
-        if nat.lm_bias is None:
-            torch.mm(xn, nat.lm_head.t(), out=out)
-        else:
-            torch.addmm(nat.lm_bias, xn, nat.lm_head.t(), out=out)
-        torch.argmax(out, dim=-1, out=self.next_buf[:B])
+        self._logits_and_greedy(_rms(x, nat.norm, nat.eps), B)
 
     def _decode_body_fused(self, B: int) -> None:
         """_decode_body with the Triton kernels: ~15 kernels a layer instead of ~50."""
@@ -1118,6 +1112,12 @@ class Engine:
             g = tri.silu_mul(self._lin(h, layer.lin["gate_proj"], mask), self._lin(h, layer.lin["up_proj"], mask))
             w_next = nat.layers[li + 1].ln1 if li + 1 < n_layers else nat.norm
             x, h = tri.rms_norm(x, w_next, nat.eps, residual=self._lin(g, layer.lin["down_proj"], mask))
+        self._logits_and_greedy(h, B)
+
+    def _logits_and_greedy(self, h: torch.Tensor, B: int) -> None:
+        """The decode step's tail, into the graph's static buffers: logits of the final-normed hidden states `h`
+        for slots [0, B), and their greedy tokens."""
+        nat = self.nat
         out = self.logits_buf[:B]
         if nat.lm_bias is None:
             torch.mm(h, nat.lm_head.t(), out=out)
