@@ -309,6 +309,28 @@ def gpu_check(device: str) -> dict:
         except Exception as e:
             out[f"engine_{attention}_error"] = f"{type(e).__name__}: {e}"
     out["requests"] = len(prompts)
+    # Packed prefill needs flash attention, which has no float32: in bf16, greedy tokens from packed and from
+    # padded prefill (the private switch below) against bf16 `generate`, where near-ties may differ either way.
+    model = model.to(torch.bfloat16)
+    with torch.no_grad():
+        refs = [model.generate(torch.tensor([p], device=device), attention_mask=torch.ones(1, len(p), device=device,
+                               dtype=torch.int64), do_sample=False, max_new_tokens=24)[0, len(p):].tolist()
+                for p in prompts]
+    for prefill in ("packed", "padded"):
+        try:
+            with Engine(model, tok, device=device, memory_budget_bytes=2 * GiB, max_batch_size=8,
+                        max_seq_len=256) as eng:
+                if prefill == "padded":
+                    eng._packed = None
+                res = eng.generate([GenerationRequest(str(i), p, SamplingParams(max_new_tokens=24, temperature=0))
+                                    for i, p in enumerate(prompts)])
+                out[f"bf16_{prefill}_matches_generate"] = sum(r.output_ids == ref for r, ref in zip(res, refs))
+                out[f"bf16_{prefill}_first_token_matches"] = sum(r.output_ids[:1] == ref[:1]
+                                                                 for r, ref in zip(res, refs))
+                if prefill == "packed":
+                    out["bf16_packed_prefill_available"] = eng.stats.get("packed_prefill")
+        except Exception as e:
+            out[f"bf16_{prefill}_error"] = f"{type(e).__name__}: {e}"
     try:
         from worker.engine_triton import decode_attention
 

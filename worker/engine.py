@@ -4,13 +4,14 @@ captured in device graphs where the backend has them.
 Why: plain `model.generate` and transformers' continuous batching spend 40-50 ms of host-side Python per decode
 step, whatever the batch size, so the device idles. This engine does the per-step work on the device:
 
-* Native path (Llama-style decoders: llama, mistral, qwen2, qwen3). A forward written here against the model's
-  own weight tensors; the KV cache is one preallocated tensor, sized from a memory budget, with one slot per
-  running request. Prefill runs eagerly in right-padded chunks (causal attention, so padding never leaks into
-  real tokens); each decode step for a batch bucket x length bucket is captured once as a CUDA/XPU graph and then
-  replayed, so a step costs a handful of host calls. The host consumes step k's tokens while the device runs
-  step k+1 (a one-step lag), so the device is kept busy. LoRA adapters (PEFT) are applied per request inside the
-  same batch: every adapter's A and B matrices are stacked per projection and a per-slot mask selects the
+* Native path (Llama-style decoders: llama, mistral, qwen2, qwen3). A forward written here against the model's own
+  weight tensors; the KV cache is one preallocated tensor, sized from a memory budget, with one slot per running
+  request. Prefill runs eagerly: with the Triton kernels, prompts packed end to end under varlen flash attention
+  where the device has it (no padding computed); else in right-padded chunks (causal attention, so padding never
+  leaks into real tokens). Each decode step for a batch bucket x length bucket is captured once as a CUDA/XPU graph
+  and then replayed, so a step costs a handful of host calls. The host consumes step k's tokens while the device
+  runs step k+1 (a one-step lag), so the device is kept busy. LoRA adapters (PEFT) are applied per request inside
+  the same batch: every adapter's A and B matrices are stacked per projection and a per-slot mask selects the
   adapter's rank columns, i.e. delta = ((x @ A_all^T) * mask) @ (scaling * B_all)^T.
   On cuda/xpu with triton installed (kernels="auto"/"triton"), worker/engine_triton.py supplies a decode
   attention kernel that reads only each row's own cache length (so one graph per batch size suffices) and fused
@@ -207,6 +208,34 @@ def batch_buckets(slots: int) -> list[int]:
 def length_bucket(n: int, max_len: int) -> int:
     step = 128 if n <= 1024 else 512 if n <= 4096 else 2048
     return min(max_len, -(-n // step) * step)
+
+
+def packed_attention(device: torch.device, dtype: torch.dtype, hq: int, hkv: int, head_dim: int,
+                     scale: float) -> tuple[Callable | None, str | None]:
+    """Causal attention over prompts packed end to end, so a prefill computes only real tokens, not padding.
+    Returns (attend(q, k, v, cu_seqlens, max_len), None) where a probe on this device works, else (None, why).
+    It calls the flash kernel under torch.nn.attention.varlen.varlen_attn directly: that wrapper costs about
+    150 us of host time per call on an H200 host (28 calls per prefill), and prefill is bound by host time. The
+    kernel takes grouped-query k and v as they are."""
+    flash = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    if flash is None:
+        return None, f"torch {torch.__version__} has no flash attention op"
+
+    def attend(q, k, v, cu, max_len):
+        return flash(q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale)[0]
+
+    try:  # two prompts of 3 and 1 tokens: the first must not see the second
+        q = torch.randn(4, hq, head_dim, dtype=dtype, device=device)
+        k = torch.randn(4, hkv, head_dim, dtype=dtype, device=device)
+        v = torch.randn(4, hkv, head_dim, dtype=dtype, device=device)
+        got = attend(q, k, v, torch.tensor([0, 3, 4], dtype=torch.int32, device=device), 3)
+        want = F.scaled_dot_product_attention(q[:3].transpose(0, 1), k[:3].transpose(0, 1), v[:3].transpose(0, 1),
+                                              is_causal=True, scale=scale, enable_gqa=hq != hkv).transpose(0, 1)
+        if not torch.allclose(got[:3].float(), want.float(), atol=2e-2, rtol=2e-2):
+            return None, "the flash kernel disagrees with scaled_dot_product_attention here"
+    except Exception as e:  # no flash kernel for this device or dtype
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return attend, None
 
 
 # -------------------------------------------------------------------------------------- per-request state
@@ -435,6 +464,7 @@ class Engine:
             raise ValueError("kernels must be 'auto', 'torch' or 'triton'")
         self._want_attention = kernels
         self._tri = None
+        self._packed = None
         self._requested_max_seq_len = max_seq_len
         self.prefill_tokens = int(prefill_tokens or (8192 if self.backend != "cpu" else 2048))
         if self.backend == "cuda":
@@ -550,6 +580,12 @@ class Engine:
                 raise ValueError(f"kernels='triton' is unavailable: {why}")
         self.attention = "triton" if self._tri is not None else "torch"
         self.stats["kernels"] = self.attention
+        self._packed = None
+        if self._tri is not None:
+            nat = self.nat
+            self._packed, why = packed_attention(self.device, nat.embed.dtype, nat.hq, nat.hkv, nat.head_dim,
+                                                 nat.scaling)
+            self.stats["packed_prefill"] = why or True
 
     def _workspace_estimate(self, slots: int, el: int) -> int:
         n = self.nat
@@ -1014,26 +1050,41 @@ class Engine:
         positions = start + self.len_ar[:L]
         pos_tok = positions.repeat(n)
         x = F.embedding(ids.reshape(T), nat.embed)
-        h = tri.rms_norm(x, nat.layers[0].ln1, nat.eps)
         mask = self.lora_mask.index_select(0, slots).repeat_interleave(L, dim=0) if nat.lora_rank else None
         idx = ((slots[:, None, None] * hkv + self.head_ar[None, None, :]) * Lmax
                + positions[None, :, None]).reshape(-1)
         attn_mask = None
         if start > 0:
             attn_mask = self.len_ar[:start + L][None, :] <= positions[:, None]
-        n_layers = len(nat.layers)
-        for li, layer in enumerate(nat.layers):
-            kc, vc = self.cache[li, 0], self.cache[li, 1]
-            q, k, v = self._qkv_into_cache(h, layer, mask, pos_tok, idx, kc, vc)
+
+        def attend(li, q, k, v):
             q4 = q.view(n, L, hq, d).transpose(1, 2)
             if start == 0:
                 a = F.scaled_dot_product_attention(q4, k.view(n, L, hkv, d).transpose(1, 2),
                                                    v.view(n, L, hkv, d).transpose(1, 2), is_causal=L > 1,
                                                    scale=nat.scaling, enable_gqa=hq != hkv)
             else:
-                a = F.scaled_dot_product_attention(q4, kc[slots, :, :start + L], vc[slots, :, :start + L],
-                                                   attn_mask=attn_mask, scale=nat.scaling, enable_gqa=hq != hkv)
-            a = a.transpose(1, 2).reshape(T, hq * d)
+                a = F.scaled_dot_product_attention(q4, self.cache[li, 0, slots, :, :start + L],
+                                                   self.cache[li, 1, slots, :, :start + L], attn_mask=attn_mask,
+                                                   scale=nat.scaling, enable_gqa=hq != hkv)
+            return a.transpose(1, 2).reshape(T, hq * d)
+
+        x = self._fused_layers(x, mask, pos_tok, idx, attend)
+        if last is None:
+            return None
+        xl = x.view(n, L, -1)[torch.arange(n, device=x.device), last]
+        return F.linear(tri.rms_norm(xl, nat.norm, nat.eps), nat.lm_head, nat.lm_bias).float()
+
+    def _fused_layers(self, x: torch.Tensor, mask, pos: torch.Tensor, idx: torch.Tensor,
+                      attend: Callable) -> torch.Tensor:
+        """The decoder layers over token rows x [T, hidden] with the Triton kernels; each layer's k and v go into
+        the cache at idx, and attend(layer_index, q, k, v) returns the attention output [T, hq * head_dim]."""
+        nat, tri = self.nat, self._tri
+        h = tri.rms_norm(x, nat.layers[0].ln1, nat.eps)
+        n_layers = len(nat.layers)
+        for li, layer in enumerate(nat.layers):
+            q, k, v = self._qkv_into_cache(h, layer, mask, pos, idx, self.cache[li, 0], self.cache[li, 1])
+            a = attend(li, q, k, v)
             x, h = tri.rms_norm(x, layer.ln2, nat.eps, residual=self._lin(a, layer.lin["o_proj"], mask))
             g = tri.silu_mul(self._lin(h, layer.lin["gate_proj"], mask), self._lin(h, layer.lin["up_proj"], mask))
             down = self._lin(g, layer.lin["down_proj"], mask)
@@ -1041,9 +1092,32 @@ class Engine:
                 x, h = tri.rms_norm(x, nat.layers[li + 1].ln1, nat.eps, residual=down)
             else:
                 x = x + down
-        if last is None:
-            return None
-        xl = x.view(n, L, -1)[torch.arange(n, device=x.device), last]
+        return x
+
+    def _prefill_packed(self, chunk: list[_Seq]) -> torch.Tensor:
+        """_prefill_forward_fused for whole prompts packed end to end: rows are the prompts' tokens only, each at
+        its own position and slot, and attention keeps every prompt to itself. Returns float32 logits [n, V] at
+        each prompt's last token."""
+        nat, tri = self.nat, self._tri
+        lens = [s.prompt_len for s in chunk]
+        T, hq, d = sum(lens), nat.hq, nat.head_dim
+        # token ids, positions and slots built on the host, then moved in one copy
+        host = torch.empty(3, T, dtype=torch.int64)
+        host[0] = torch.tensor([t for s in chunk for t in s.req.prompt_ids])
+        host[1] = torch.cat([torch.arange(n) for n in lens])
+        host[2] = torch.repeat_interleave(torch.tensor([s.slot for s in chunk]), torch.tensor(lens))
+        cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(lens).cumsum(0)
+        if self.backend != "cpu":
+            host, cu = host.pin_memory(), cu.pin_memory()
+        host, cu_dev = host.to(self.device, non_blocking=True), cu.to(self.device, non_blocking=True)
+        ids, pos, slot = host[0], host[1], host[2]
+        idx = ((slot[:, None] * nat.hkv + self.head_ar[None, :]) * self.max_seq_len + pos[:, None]).reshape(-1)
+        mask = self.lora_mask.index_select(0, slot) if nat.lora_rank else None
+        max_len = max(lens)
+        x = self._fused_layers(F.embedding(ids, nat.embed), mask, pos, idx,
+                               lambda li, q, k, v: self._packed(q, k, v, cu_dev, max_len).reshape(T, hq * d))
+        xl = x.index_select(0, cu_dev[1:].long() - 1)
         return F.linear(tri.rms_norm(xl, nat.norm, nat.eps), nat.lm_head, nat.lm_bias).float()
 
     def _decode_body(self, B: int, Lb: int) -> None:
@@ -1155,6 +1229,7 @@ class Engine:
             return False
         log.warning("engine: triton kernels failed (%s: %s); using torch ops", type(e).__name__, e)
         self._tri = None
+        self._packed = None
         self.attention = "torch"
         self.stats["kernels"] = "torch"
         self.stats["kernels_error"] = f"{type(e).__name__}: {e}"
@@ -1279,10 +1354,14 @@ class Engine:
         if long:
             chunk = [long[0]]
         else:
+            tokens = 0
             for s in short:
-                if (len(chunk) + 1) * s.prompt_len > P or len(chunk) >= 64:
+                # packed, a chunk costs its real tokens; padded, every prompt costs the longest (the last)
+                cost = tokens + s.prompt_len if self._packed else (len(chunk) + 1) * s.prompt_len
+                if cost > P or len(chunk) >= 64:
                     break
                 chunk.append(s)
+                tokens += s.prompt_len
         taken = {id(s) for s in chunk}
         self._push_back([s for s in cands if id(s) not in taken])
         for seq in chunk:
@@ -1317,6 +1396,9 @@ class Engine:
                 last = _to_device([len(piece) - 1], torch.int64, dev) if start + seg >= lens[0] else None
                 logits = self._prefill_forward(_to_device([piece], torch.int64, dev), slots, start, last)
             padded = lens[0]
+        elif self._packed is not None:
+            logits = self._prefill_packed(chunk)
+            padded = sum(lens)
         else:
             L = max(lens)
             ids = torch.zeros(n, L, dtype=torch.int64)
