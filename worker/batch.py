@@ -17,10 +17,13 @@ from contract import batches, events
 from contract.inference_outputs import BUILDERS, response
 from contract.inference_requests import BODY_SCHEMAS
 from contract.records import new_id, now
-from worker.inference import RequestFailed, cancel_watch_for, host_for, outcome, start
+from worker.inference import RequestFailed, cancel_watch_for, host_for, outcome, prepare
 from worker.node import Node
 
 POLL_SECONDS = 0.2
+# Lines handed to the engine process per message: one message per line costs the engine's GIL more, and a whole
+# chunk per message makes the engine wait until every line is tokenized.
+SEND_LINES = 16
 
 
 class _Running(NamedTuple):
@@ -67,6 +70,19 @@ def run_chunk(node: Node, chunk_id: str) -> None:
         failed_positions.add(position)
         progress["failed"] += 1
 
+    prepared: list[tuple[int, str | None, int, dict, tuple]] = []  # lines tokenized and not yet sent
+
+    def send_prepared() -> None:
+        try:
+            futures = host_for(node).generate_many([arguments for *_, arguments in prepared])
+        except RequestFailed as exc:
+            for position, custom_id, number, _, _ in prepared:
+                fail(position, custom_id, exc.code, f"line {number}: {exc}")
+        else:
+            for (position, custom_id, number, request, arguments), future in zip(prepared, futures, strict=True):
+                pending[position] = _Running(custom_id, number, request, arguments[0], future)
+        prepared.clear()
+
     for position, (number, line) in enumerate(mine):
         custom_id, body, problem = batches.parse_line(line, number, endpoint)
         if problem:
@@ -77,15 +93,18 @@ def run_chunk(node: Node, chunk_id: str) -> None:
             continue
         try:
             request = BODY_SCHEMAS[endpoint].model_validate(body).normal()
-            request_id = new_id("batch_request")
-            pending[position] = _Running(custom_id, number, request, request_id,
-                                         start(node, request_id, tenant, request))
+            prepared.append((position, custom_id, number, request,
+                             prepare(node, new_id("batch_request"), tenant, request)))
         except ValidationError as exc:
             first = exc.errors()[0]
             fail(position, custom_id, "invalid_request",
                  f"line {number}: {'.'.join(map(str, first['loc']))}: {first['msg']}")
         except RequestFailed as exc:
             fail(position, custom_id, exc.code, f"line {number}: {exc}")
+        if len(prepared) == SEND_LINES:
+            send_prepared()
+    if prepared:
+        send_prepared()
 
     timings["submitted"] = time.time()
     cancelled = False

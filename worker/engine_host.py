@@ -14,6 +14,7 @@ device mask included. It exits when the worker goes away: its end of the pipe th
 import itertools
 import multiprocessing
 import os
+import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
@@ -60,16 +61,23 @@ class EngineHost:
                  prompt_ids: list[int]) -> Future:
         """The future of a GenerationResult; it raises RequestFailed when the model, the adapter or the prompt
         cannot be served."""
-        future: Future = Future()
+        return self.generate_many([(request_id, base, adapter, request, prompt_ids)])[0]
+
+    def generate_many(self, requests: list[tuple[str, str, tuple[str, Path] | None, dict, list[int]]]) -> list[Future]:
+        """generate() for several requests in one message: the child's host loop shares its GIL with whatever
+        receives them, so fewer, larger messages leave more of it to the engine."""
+        futures: list[Future] = [Future() for _ in requests]
         for _ in range(2):  # a child found dead on sending is replaced once
             with self._lock:
                 self._ensure_child()
                 conn, proc = self._conn, self._proc
-                self._pending[request_id] = (conn, future)
-            if self._send(conn, ("generate", request_id, base, adapter, request, prompt_ids)):
-                return future
+                for (request_id, *_), future in zip(requests, futures, strict=True):
+                    self._pending[request_id] = (conn, future)
+            if self._send(conn, ("generate", requests)):
+                return futures
             with self._lock:
-                self._pending.pop(request_id, None)
+                for request_id, *_ in requests:
+                    self._pending.pop(request_id, None)
             proc.join(5)
         raise RequestFailed("server_error", "The worker's engine process could not be started.")
 
@@ -121,24 +129,11 @@ class EngineHost:
     def _read(self, conn: Connection, proc) -> None:
         while True:
             try:
-                message = conn.recv()
+                answers = conn.recv()  # a list: the child sends what it has ready in one message
             except (EOFError, OSError):
                 break
-            kind = message[0]
-            if kind == "report":
-                with self._lock:
-                    future = self._reports.get(message[1])
-                if future is not None:
-                    future.set_result(message[2])
-                continue
-            with self._lock:
-                _, future = self._pending.pop(message[1], (None, None))
-            if future is None:
-                continue
-            if kind == "result":
-                future.set_result(message[2])
-            else:  # "failed"
-                future.set_exception(RequestFailed(message[2], message[3]))
+            for answer in answers:
+                self._answer(answer)
         with self._lock:  # a new child may already be serving newer requests: fail only this one's
             if self._conn is conn:
                 self._conn, self._proc = None, None
@@ -149,6 +144,23 @@ class EngineHost:
                 "server_error", f"The worker's engine process exited (exit code {proc.exitcode}) while this request "
                                 "ran; it can be sent again."))
 
+    def _answer(self, answer: tuple) -> None:
+        kind = answer[0]
+        if kind == "report":
+            with self._lock:
+                future = self._reports.get(answer[1])
+            if future is not None:
+                future.set_result(answer[2])
+            return
+        with self._lock:
+            _, future = self._pending.pop(answer[1], (None, None))
+        if future is None:
+            return
+        if kind == "result":
+            future.set_result(answer[2])
+        else:  # "failed"
+            future.set_exception(RequestFailed(answer[2], answer[3]))
+
 
 def serve(conn: Connection, backend: str) -> None:
     """The child: loads models, runs their engines, and answers the worker through `conn` until it closes."""
@@ -156,20 +168,41 @@ def serve(conn: Connection, backend: str) -> None:
     from worker.inference import ModelCache, freeze_heap, submit
 
     cache = ModelCache(Settings(), backend)
-    send_lock = threading.Lock()
     lock = threading.Lock()  # the two maps below
     engines = {}  # request id -> the engine running it
     preparing: dict[str, bool] = {}  # request id -> whether a cancel came before it reached its engine
     prepare = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="xpujobs-prepare")
+    # Answers go out from one thread, as many per message as are ready: the engine's thread, which finishes
+    # requests, never waits on the pipe, and the worker unpickles fewer messages.
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+    send = outbox.put
 
-    def send(message: tuple) -> None:
-        with send_lock:
-            conn.send(message)
+    def send_answers() -> None:
+        closing = False
+        while not closing:
+            answers = [outbox.get()]
+            while True:
+                try:
+                    answers.append(outbox.get_nowait())
+                except queue.Empty:
+                    break
+            closing = None in answers  # the last answers, after the engines closed
+            try:
+                conn.send([answer for answer in answers if answer is not None])
+            except OSError:  # the worker is gone
+                return
+
+    sender = threading.Thread(target=send_answers, name="xpujobs-answers", daemon=True)
+    sender.start()
 
     def finished(request_id: str, result: GenerationResult) -> None:
         with lock:
             engines.pop(request_id, None)
         send(("result", request_id, result))
+
+    def start_all(requests: list[tuple]) -> None:
+        for request in requests:
+            start(*request)
 
     def start(request_id: str, base: str, adapter, request: dict, prompt_ids: list[int]) -> None:
         try:
@@ -200,8 +233,9 @@ def serve(conn: Connection, backend: str) -> None:
         kind = message[0]
         if kind == "generate":
             with lock:
-                preparing[message[1]] = False
-            prepare.submit(start, *message[1:])
+                for request_id, *_ in message[1]:
+                    preparing[request_id] = False
+            prepare.submit(start_all, message[1])
         elif kind == "cancel":
             with lock:
                 engine = engines.get(message[1])
@@ -214,4 +248,6 @@ def serve(conn: Connection, backend: str) -> None:
         elif kind == "close":
             break
     cache.close()
+    outbox.put(None)
+    sender.join(5)
     os._exit(0)  # the engines' and the pool's threads hold nothing that must outlive the process

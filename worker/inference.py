@@ -190,15 +190,21 @@ def tokenizer_for(base: str, settings: Settings):
         return _tokenizers[base]
 
 
-def start(node: Node, request_id: str, tenant: str, request: dict) -> Future:
-    """Resolve the model, tokenize the prompt, and hand the request to the node's engine process. The future's
-    result is a GenerationResult; it raises RequestFailed when the model, adapter or prompt cannot be served."""
+def prepare(node: Node, request_id: str, tenant: str, request: dict) -> tuple:
+    """Resolve the model and tokenize the prompt: what the engine process needs (EngineHost.generate's arguments).
+    Raises RequestFailed for an unknown model."""
     try:
         base, ref = catalog.resolve(request["model"], tenant, node.settings, node.store)
     except catalog.UnknownModel as exc:
         raise RequestFailed("model_not_found", str(exc)) from None
     ids = prompt_ids(tokenizer_for(base, node.settings), request)
-    return host_for(node).generate(request_id, base, adapter_of(tenant, ref, node.settings), request, ids)
+    return request_id, base, adapter_of(tenant, ref, node.settings), request, ids
+
+
+def start(node: Node, request_id: str, tenant: str, request: dict) -> Future:
+    """Hand the request to the node's engine process. The future's result is a GenerationResult; it raises
+    RequestFailed when the model, adapter or prompt cannot be served."""
+    return host_for(node).generate(*prepare(node, request_id, tenant, request))
 
 
 def submit(cache: ModelCache, request_id: str, base: str, adapter: tuple[str, Path] | None, request: dict,
