@@ -67,6 +67,7 @@ NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _SAMPLE_CHUNK = 16  # rows sampled at once: bounds the [rows, vocab] temporaries of top-p and the noise
+_PREFILL_PROMPTS = 64  # prompts per prefill call at most: bounds its [prompts, vocab] logits
 
 
 # ----------------------------------------------------------------------------------------------- interface
@@ -224,11 +225,11 @@ def packed_attention(device: torch.device, dtype: torch.dtype, hq: int, hkv: int
     def attend(q, k, v, cu, max_len):
         return flash(q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale)[0]
 
-    try:  # two prompts of 3 and 1 tokens: the first must not see the second
+    try:  # prompts of 3, 1 and 0 tokens (unused entries are empty): the first must not see the second
         q = torch.randn(4, hq, head_dim, dtype=dtype, device=device)
         k = torch.randn(4, hkv, head_dim, dtype=dtype, device=device)
         v = torch.randn(4, hkv, head_dim, dtype=dtype, device=device)
-        got = attend(q, k, v, torch.tensor([0, 3, 4], dtype=torch.int32, device=device), 3)
+        got = attend(q, k, v, torch.tensor([0, 3, 4, 4], dtype=torch.int32, device=device), 3)
         want = F.scaled_dot_product_attention(q[:3].transpose(0, 1), k[:3].transpose(0, 1), v[:3].transpose(0, 1),
                                               is_causal=True, scale=scale, enable_gqa=hq != hkv).transpose(0, 1)
         if not torch.allclose(got[:3].float(), want.float(), atol=2e-2, rtol=2e-2):
@@ -586,6 +587,7 @@ class Engine:
             self._packed, why = packed_attention(self.device, nat.embed.dtype, nat.hq, nat.hkv, nat.head_dim,
                                                  nat.scaling)
             self.stats["packed_prefill"] = why or True
+        self._graph_prefill = self._packed is not None and self.use_graphs
 
     def _workspace_estimate(self, slots: int, el: int) -> int:
         n = self.nat
@@ -595,7 +597,7 @@ class Engine:
         p = self.prefill_tokens
         prefill = int(1.5 * p * (3 * n.hidden + 3 * (n.hq + 2 * n.hkv) * n.head_dim + n.hq * n.head_dim
                                  + 4 * n.intermediate) * el)
-        rows = min(slots, 64)
+        rows = min(slots, _PREFILL_PROMPTS)
         prefill += rows * n.vocab * 12
         sample = _SAMPLE_CHUNK * n.vocab * 48
         lora = 0
@@ -608,7 +610,8 @@ class Engine:
         n = self.nat
         per_slot = self.kv_bytes_per_token * self.max_seq_len
         slots = self.max_batch_size
-        while slots > 0 and slots * per_slot + self._workspace_estimate(slots, el) > self.budget:
+        # one slot more than requests: packed prefill writes its padding tokens' keys and values there
+        while slots > 0 and (slots + 1) * per_slot + self._workspace_estimate(slots, el) > self.budget:
             slots -= 1
         if slots < 1:
             raise ValueError(
@@ -619,7 +622,8 @@ class Engine:
         dev = self.device
         self._reset_peak()
         self._mem_base = self._allocated()
-        self.cache = torch.zeros(n.n_layers, 2, slots, n.hkv, self.max_seq_len, n.head_dim, dtype=dtype, device=dev)
+        self.cache = torch.zeros(n.n_layers, 2, slots + 1, n.hkv, self.max_seq_len, n.head_dim, dtype=dtype,
+                                 device=dev)
         self.ids_buf = torch.zeros(slots, dtype=torch.int64, device=dev)
         self.pos_buf = torch.zeros(slots, dtype=torch.int64, device=dev)
         self.next_buf = torch.zeros(slots, dtype=torch.int64, device=dev)
@@ -628,7 +632,13 @@ class Engine:
         self.head_ar = torch.arange(n.hkv, device=dev)
         self.len_ar = torch.arange(self.max_seq_len, device=dev)
         self.cos, self.sin = n.rope_tables(self.max_seq_len, dev)
-        self.lora_mask = torch.zeros(slots, max(1, n.lora_rank), dtype=dtype, device=dev)
+        self.lora_mask = torch.zeros(slots + 1, max(1, n.lora_rank), dtype=dtype, device=dev)
+        # packed prefill's inputs: token ids, positions and slots per row; the prompts' bounds (cu_seqlens), with
+        # room for the padding up to a captured size, cut into pieces no longer than a prompt may be
+        self._pf_rows = torch.zeros(3, self.prefill_tokens, dtype=torch.int64, device=dev)
+        self._pf_seqs = _PREFILL_PROMPTS + -(-self.prefill_tokens // self.max_seq_len)
+        self._pf_cu = torch.zeros(self._pf_seqs + 1, dtype=torch.int32, device=dev)
+        self._pf_logits = torch.zeros(_PREFILL_PROMPTS, n.vocab, dtype=torch.float32, device=dev)
         self._slots: list[_Seq | None] = [None] * slots
         self._free = list(range(slots))
         heapq.heapify(self._free)
@@ -660,7 +670,7 @@ class Engine:
                           kv_cache_bytes=0, workspace_estimate_bytes=ws)
 
     def _refresh_lora_masks(self) -> None:
-        self.lora_mask = torch.zeros(self.num_slots, max(1, self.nat.lora_rank), dtype=self.cache.dtype,
+        self.lora_mask = torch.zeros(self.num_slots + 1, max(1, self.nat.lora_rank), dtype=self.cache.dtype,
                                      device=self.device)
         for seq in self._slots:
             if seq is None or seq.finished:
@@ -751,6 +761,10 @@ class Engine:
                 for L in lens:
                     for B in sorted(batch_sizes or self._buckets, reverse=True):
                         self._graph(B, L)
+                if self._graph_prefill:
+                    for size in reversed(self._prefill_sizes()):
+                        self._stage_rows([], size)  # all padding: only the spare slot is written
+                        self._prefill_graph(size)
             except Exception as e:
                 log.warning("engine: graph warm-up failed (%s: %s); capturing on first use", type(e).__name__, e)
 
@@ -1095,30 +1109,71 @@ class Engine:
         return x
 
     def _prefill_packed(self, chunk: list[_Seq]) -> torch.Tensor:
-        """_prefill_forward_fused for whole prompts packed end to end: rows are the prompts' tokens only, each at
-        its own position and slot, and attention keeps every prompt to itself. Returns float32 logits [n, V] at
-        each prompt's last token."""
-        nat, tri = self.nat, self._tri
+        """_prefill_forward_fused for whole prompts packed end to end: rows are the prompts' tokens, each at its
+        own position and slot, and attention keeps every prompt to itself. Returns float32 logits [n, V] at each
+        prompt's last token. With graphs, the rows are padded up to a captured size and the prefill is one graph
+        replay: run eagerly it is some 450 launches, host work that bounds it (about 25 ms on an H200's host)."""
+        T = sum(s.prompt_len for s in chunk)
+        size = next(b for b in self._prefill_sizes() if b >= T) if self._graph_prefill else T
+        self._stage_rows(chunk, size)
+        if self._graph_prefill:
+            try:
+                self._prefill_graph(size).replay()
+                return self._pf_logits[:len(chunk)]
+            except Exception as e:  # this prefill and later ones run eagerly
+                log.warning("engine: prefill graph failed (%s: %s); prefill runs eagerly", type(e).__name__, e)
+                self.stats["prefill_graphs_error"] = f"{type(e).__name__}: {e}"
+                self._graph_prefill = False
+                self._sync()
+        self._prefill_packed_body(size)
+        return self._pf_logits[:len(chunk)]
+
+    def _prefill_sizes(self) -> list[int]:
+        """Row counts a packed prefill is captured for: padding to the next costs at most 1024 rows above 1024."""
+        P = self.prefill_tokens
+        return [b for b in [256, 512] + list(range(1024, P, 1024)) if b < P] + [P]
+
+    def _stage_rows(self, chunk: list[_Seq], size: int) -> None:
+        """Packed prefill's inputs for `chunk` into the static buffers, padded to `size` rows: padding rows are
+        token 0 in the spare slot, in pieces no longer than a prompt may be."""
         lens = [s.prompt_len for s in chunk]
-        T, hq, d = sum(lens), nat.hq, nat.head_dim
-        # token ids, positions and slots built on the host, then moved in one copy
-        host = torch.empty(3, T, dtype=torch.int64)
-        host[0] = torch.tensor([t for s in chunk for t in s.req.prompt_ids])
-        host[1] = torch.cat([torch.arange(n) for n in lens])
-        host[2] = torch.repeat_interleave(torch.tensor([s.slot for s in chunk]), torch.tensor(lens))
-        cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
-        cu[1:] = torch.tensor(lens).cumsum(0)
+        T, L = sum(lens), self.max_seq_len
+        pad = size - T
+        rows = torch.empty(3, size, dtype=torch.int64)
+        rows[:, T:] = torch.stack([torch.zeros(pad, dtype=torch.int64), torch.arange(pad) % L,
+                                   torch.full((pad,), self.num_slots)])
+        if chunk:
+            rows[0, :T] = torch.tensor([t for s in chunk for t in s.req.prompt_ids])
+            rows[1, :T] = torch.cat([torch.arange(n) for n in lens])
+            rows[2, :T] = torch.repeat_interleave(torch.tensor([s.slot for s in chunk]), torch.tensor(lens))
+        pieces = lens + [L] * (pad // L) + ([pad % L] if pad % L else [])
+        cu = torch.full((self._pf_seqs + 1,), size, dtype=torch.int32)
+        cu[0] = 0
+        cu[1:len(pieces) + 1] = torch.tensor(pieces).cumsum(0)
         if self.backend != "cpu":
-            host, cu = host.pin_memory(), cu.pin_memory()
-        host, cu_dev = host.to(self.device, non_blocking=True), cu.to(self.device, non_blocking=True)
-        ids, pos, slot = host[0], host[1], host[2]
+            rows, cu = rows.pin_memory(), cu.pin_memory()
+        self._pf_rows[:, :size].copy_(rows, non_blocking=True)
+        self._pf_cu.copy_(cu, non_blocking=True)
+
+    def _prefill_packed_body(self, size: int) -> None:
+        """Packed prefill over the first `size` staged rows: writes the KV cache, and the logits at the end of each
+        of the first _PREFILL_PROMPTS pieces into _pf_logits."""
+        nat = self.nat
+        ids, pos, slot = self._pf_rows[0, :size], self._pf_rows[1, :size], self._pf_rows[2, :size]
         idx = ((slot[:, None] * nat.hkv + self.head_ar[None, :]) * self.max_seq_len + pos[:, None]).reshape(-1)
         mask = self.lora_mask.index_select(0, slot) if nat.lora_rank else None
-        max_len = max(lens)
+        width = nat.hq * nat.head_dim
         x = self._fused_layers(F.embedding(ids, nat.embed), mask, pos, idx,
-                               lambda li, q, k, v: self._packed(q, k, v, cu_dev, max_len).reshape(T, hq * d))
-        xl = x.index_select(0, cu_dev[1:].long() - 1)
-        return F.linear(tri.rms_norm(xl, nat.norm, nat.eps), nat.lm_head, nat.lm_bias).float()
+                               lambda li, q, k, v: self._packed(q, k, v, self._pf_cu,
+                                                                self.max_seq_len).reshape(size, width))
+        xl = x.index_select(0, self._pf_cu[1:_PREFILL_PROMPTS + 1].long() - 1)
+        self._pf_logits.copy_(F.linear(self._tri.rms_norm(xl, nat.norm, nat.eps), nat.lm_head, nat.lm_bias))
+
+    def _prefill_graph(self, size: int):
+        key = ("prefill", size)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(lambda: self._prefill_packed_body(size))
+        return self._graphs[key]
 
     def _decode_body(self, B: int, Lb: int) -> None:
         """One decode step for slots [0, B): reads ids_buf/pos_buf, writes the KV cache, logits_buf and next_buf.
@@ -1201,24 +1256,26 @@ class Engine:
 
     def _graph(self, B: int, Lb: int):
         key = (B, Lb)
-        g = self._graphs.get(key)
-        if g is not None:
-            return g
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(lambda: self._decode_body(B, Lb))
+        return self._graphs[key]
+
+    def _capture(self, body: Callable[[], None]):
+        """`body` as a device graph in the shared pool (graphs never run at once, so they share temporaries)."""
         t0 = time.perf_counter()
         mod = _device_module(self.backend)
         stream = mod.Stream(device=self.device)
         stream.wait_stream(mod.current_stream(self.device))
         with mod.stream(stream):
             for _ in range(2):
-                self._decode_body(B, Lb)
+                body()
         mod.current_stream(self.device).wait_stream(stream)
         g = mod.CUDAGraph() if self.backend == "cuda" else mod.XPUGraph()
         kwargs = {"pool": self._graph_pool}
         if self.backend == "cuda":
             kwargs["capture_error_mode"] = "thread_local"
         with mod.graph(g, **kwargs):
-            self._decode_body(B, Lb)
-        self._graphs[key] = g
+            body()
         self.stats["graphs_captured"] += 1
         self.stats["graph_capture_seconds"] += time.perf_counter() - t0
         return g
@@ -1230,6 +1287,7 @@ class Engine:
         log.warning("engine: triton kernels failed (%s: %s); using torch ops", type(e).__name__, e)
         self._tri = None
         self._packed = None
+        self._graph_prefill = False
         self.attention = "torch"
         self.stats["kernels"] = "torch"
         self.stats["kernels_error"] = f"{type(e).__name__}: {e}"
@@ -1358,7 +1416,7 @@ class Engine:
             for s in short:
                 # packed, a chunk costs its real tokens; padded, every prompt costs the longest (the last)
                 cost = tokens + s.prompt_len if self._packed else (len(chunk) + 1) * s.prompt_len
-                if cost > P or len(chunk) >= 64:
+                if cost > P or len(chunk) >= _PREFILL_PROMPTS:
                     break
                 chunk.append(s)
                 tokens += s.prompt_len
