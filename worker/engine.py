@@ -22,12 +22,13 @@ step, whatever the batch size, so the device idles. This engine does the per-ste
   own forward with a DynamicCache, requests batched in "cohorts" that join between steps; PEFT's mixed-batch
   `adapter_names=[...]` selects adapters per row. Correct, but host-bound like `generate`.
 
-Memory: the KV cache (num_slots x max_seq_len tokens) plus an estimate of the workspace (logits, prefill and
-decode activations, sampling temporaries, stacked LoRA) is fitted into memory_budget_bytes at construction:
-num_slots = min(max_batch_size, what fits); a budget that cannot hold one max_seq_len request raises ValueError.
-Nothing grows afterwards except transient activations, which the estimate covers (the benchmark reports the
-measured peak: stats["peak_memory_bytes"]). max_seq_len (prompt + completion) defaults to
-min(max_position_embeddings, 4096); prompts must be shorter, and a completion that reaches it ends with "length".
+Memory: the KV cache ((num_slots + 1 spare for prefill's padding) x max_seq_len tokens) plus an estimate of the
+workspace (logits, prefill and decode activations, sampling temporaries, stacked LoRA) is fitted into
+memory_budget_bytes at construction: num_slots = min(max_batch_size, what fits); a budget that cannot hold one
+max_seq_len request raises ValueError. Nothing grows afterwards except transient activations, which the estimate
+covers (the benchmark reports the measured peak: stats["peak_memory_bytes"]). max_seq_len (prompt + completion)
+defaults to min(max_position_embeddings, 4096); prompts must be shorter, and a completion that reaches it ends with
+"length".
 
 Sampling is per request: temperature 0 is greedy (argmax, the same tokens as `generate(do_sample=False)`);
 otherwise temperature + top_p, drawn with counter-based noise from (seed, token index, vocabulary index), so a
@@ -466,6 +467,7 @@ class Engine:
         self._want_attention = kernels
         self._tri = None
         self._packed = None
+        self._graph_prefill = False
         self._requested_max_seq_len = max_seq_len
         self.prefill_tokens = int(prefill_tokens or (8192 if self.backend != "cpu" else 2048))
         if self.backend == "cuda":
