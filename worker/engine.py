@@ -6,13 +6,14 @@ step, whatever the batch size, so the device idles. This engine does the per-ste
 
 * Native path (Llama-style decoders: llama, mistral, qwen2, qwen3). A forward written here against the model's own
   weight tensors; the KV cache is one preallocated tensor, sized from a memory budget, with one slot per running
-  request. Prefill runs eagerly: with the Triton kernels, prompts packed end to end under varlen flash attention
-  where the device has it (no padding computed); else in right-padded chunks (causal attention, so padding never
-  leaks into real tokens). Each decode step for a batch bucket x length bucket is captured once as a CUDA/XPU graph
-  and then replayed, so a step costs a handful of host calls. The host consumes step k's tokens while the device
-  runs step k+1 (a one-step lag), so the device is kept busy. LoRA adapters (PEFT) are applied per request inside
-  the same batch: every adapter's A and B matrices are stacked per projection and a per-slot mask selects the
-  adapter's rank columns, i.e. delta = ((x @ A_all^T) * mask) @ (scaling * B_all)^T.
+  request. Prefill, with the Triton kernels and where the device has torch's flash kernel: prompts packed end to end
+  (no padding between them), staged into static buffers and replayed as a device graph captured per row count; else
+  eagerly in right-padded chunks (causal attention, so padding never leaks into real tokens). Each decode step for a
+  batch bucket x length bucket is captured once as a CUDA/XPU graph and then replayed, so a step costs a handful of
+  host calls. The host consumes step k's tokens while the device runs step k+1 (a one-step lag), so the device is
+  kept busy. LoRA adapters (PEFT) are applied per request inside the same batch: every adapter's A and B matrices
+  are stacked per projection and a per-slot mask selects the adapter's rank columns, i.e.
+  delta = ((x @ A_all^T) * mask) @ (scaling * B_all)^T.
   On cuda/xpu with triton installed (kernels="auto"/"triton"), worker/engine_triton.py supplies a decode
   attention kernel that reads only each row's own cache length (so one graph per batch size suffices) and fused
   RMSNorm / q-k norm + RoPE / SiLU*up kernels; on cpu (and with kernels="torch") plain torch ops that reproduce
@@ -1110,25 +1111,26 @@ class Engine:
                 x = x + down
         return x
 
-    def _prefill_packed(self, chunk: list[_Seq]) -> torch.Tensor:
+    def _prefill_packed(self, chunk: list[_Seq]) -> tuple[torch.Tensor, int]:
         """_prefill_forward_fused for whole prompts packed end to end: rows are the prompts' tokens, each at its
         own position and slot, and attention keeps every prompt to itself. Returns float32 logits [n, V] at each
-        prompt's last token. With graphs, the rows are padded up to a captured size and the prefill is one graph
-        replay: run eagerly it is some 450 launches, host work that bounds it (about 25 ms on an H200's host)."""
+        prompt's last token, and the rows computed. With graphs, the rows are padded up to a captured size and the
+        prefill is one graph replay: run eagerly it is some 450 launches, host work that bounds it (about 25 ms on
+        an H200's host)."""
         T = sum(s.prompt_len for s in chunk)
         size = next(b for b in self._prefill_sizes() if b >= T) if self._graph_prefill else T
         self._stage_rows(chunk, size)
         if self._graph_prefill:
             try:
                 self._prefill_graph(size).replay()
-                return self._pf_logits[:len(chunk)]
+                return self._pf_logits[:len(chunk)], size
             except Exception as e:  # this prefill and later ones run eagerly
                 log.warning("engine: prefill graph failed (%s: %s); prefill runs eagerly", type(e).__name__, e)
                 self.stats["prefill_graphs_error"] = f"{type(e).__name__}: {e}"
                 self._graph_prefill = False
                 self._sync()
         self._prefill_packed_body(size)
-        return self._pf_logits[:len(chunk)]
+        return self._pf_logits[:len(chunk)], size
 
     def _prefill_sizes(self) -> list[int]:
         """Row counts a packed prefill is captured for: padding to the next costs at most 1024 rows above 1024."""
@@ -1457,8 +1459,7 @@ class Engine:
                 logits = self._prefill_forward(_to_device([piece], torch.int64, dev), slots, start, last)
             padded = lens[0]
         elif self._packed is not None:
-            logits = self._prefill_packed(chunk)
-            padded = sum(lens)
+            logits, padded = self._prefill_packed(chunk)
         else:
             L = max(lens)
             ids = torch.zeros(n, L, dtype=torch.int64)
