@@ -80,7 +80,9 @@ class WorkerNode:
     def registered(self, redis_client) -> bool:
         from contract.registry import live_workers
 
-        return any(w["node"].startswith(self.name + "@") for w in live_workers(redis_client))
+        # this process's own entry: a node restarted under the same name must not pass on its predecessor's
+        return any(w["node"].startswith(self.name + "@") and w.get("pid") == self.proc.pid
+                   for w in live_workers(redis_client))
 
     def kill(self):
         """SIGKILL the node and its training child: a machine lost mid-job."""

@@ -21,9 +21,11 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from worker.engine import GenerationResult
-from worker.inference import RequestFailed
+from worker.inference import EngineProcessExited, RequestFailed
 
-REPORT_TIMEOUT_SECONDS = 5.0
+# The heartbeat waits this long for the child's report, then publishes the last one it had: the heartbeat also
+# keeps the node in the registry, and a child still starting (importing torch) answers only seconds later.
+REPORT_TIMEOUT_SECONDS = 0.5
 # Requests being prepared at once in the child (model load, adapter load) before they reach an engine; a load
 # blocks only the requests that need that model.
 PREPARE_THREADS = 8
@@ -43,6 +45,7 @@ class EngineHost:
         self._pending: dict[str, tuple[Connection, Future]] = {}  # request id -> its child's pipe, its result
         self._reports: dict[int, Future] = {}
         self._call_ids = itertools.count()
+        self._last_report: dict = {"models": []}  # the current child's latest answer
 
     def start(self) -> None:
         with self._lock:
@@ -100,7 +103,9 @@ class EngineHost:
                 return {"models": [], "engine_pid": None}
             return {**future.result(timeout=REPORT_TIMEOUT_SECONDS), "engine_pid": pid}
         except TimeoutError:
-            return {"models": [], "engine_pid": pid, "engine_process": "not answering"}
+            with self._lock:
+                last = self._last_report
+            return {**last, "engine_pid": pid, "engine_process": "not answering"}
         finally:
             with self._lock:
                 self._reports.pop(call_id, None)
@@ -123,7 +128,7 @@ class EngineHost:
         proc = context.Process(target=serve, args=(theirs, self._backend), name="xpujobs-engines", daemon=True)
         proc.start()
         theirs.close()
-        self._conn, self._proc = ours, proc
+        self._conn, self._proc, self._last_report = ours, proc, {"models": []}
         threading.Thread(target=self._read, args=(ours, proc), name="xpujobs-engine-results", daemon=True).start()
 
     def _read(self, conn: Connection, proc) -> None:
@@ -140,14 +145,13 @@ class EngineHost:
             lost = [self._pending.pop(rid)[1] for rid, (c, _) in list(self._pending.items()) if c is conn]
         proc.join(5)
         for future in lost:
-            future.set_exception(RequestFailed(
-                "server_error", f"The worker's engine process exited (exit code {proc.exitcode}) while this request "
-                                "ran; it can be sent again."))
+            future.set_exception(EngineProcessExited(proc.exitcode))
 
     def _answer(self, answer: tuple) -> None:
         kind = answer[0]
         if kind == "report":
             with self._lock:
+                self._last_report = answer[2]
                 future = self._reports.get(answer[1])
             if future is not None:
                 future.set_result(answer[2])
