@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -117,7 +118,9 @@ def test_large_batch_in_chunks_keeps_order_and_counts_move(client_a):
 
 def test_chunk_of_a_killed_worker_is_redone_exactly_once(client_a, workers, start_worker, redis_client):
     n = 192
-    lines = [chat_line(f"k-{i}", "demo-tiny", content=f"Item {i}", max_tokens=96) for i in range(n)]
+    # long enough that a chunk is still running when the test looks for one to kill
+    lines = [chat_line(f"k-{i}", "demo-tiny", content=f"Item {i}", max_tokens=400, ignore_eos=True)
+             for i in range(n)]
     upload = client_a.files.create(file=("kill.jsonl", "\n".join(lines).encode()), purpose="batch")
     batch = client_a.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
                                     completion_window="24h")
@@ -167,32 +170,82 @@ def test_cancel_keeps_finished_lines(client_a):
     assert len({o["custom_id"] for o in output}) == len(output)
 
 
-def test_a_dead_engine_process_fails_its_lines_and_is_replaced(client_a, api_url):
-    """A node's models run in a child process. If it dies, the lines it held go to the error file, the worker
-    stays up, and the next request gets a new engine process."""
+def _workers(api_url: str) -> dict[str, dict]:
     headers = {"Authorization": f"Bearer {KEY_A}"}
+    return {w["node"]: w for w in httpx.get(api_url + "/v1/workers", headers=headers).json()["data"]}
 
-    def workers():
-        return {w["node"]: w for w in httpx.get(api_url + "/v1/workers", headers=headers).json()["data"]}
 
+def _kill_engines(workers: dict[str, dict]) -> set[int]:
+    killed = {w["engine_pid"] for w in workers.values() if w.get("engine_pid")}
+    for pid in killed:
+        os.kill(pid, signal.SIGKILL)
+    return killed
+
+
+def test_a_dead_engine_process_is_replaced_and_its_lines_run_again(client_a, api_url):
+    """A node's models run in a child process. If it dies, the worker stays up, starts a new one, and the batch
+    lines the dead one held run there: every line completes, once."""
     lines = [chat_line(f"e-{i}", "demo-tiny", max_tokens=2 + 4 * i, ignore_eos=True) for i in range(200)]
     upload = client_a.files.create(file=("engine.jsonl", "\n".join(lines).encode()), purpose="batch")
     batch = client_a.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
                                     completion_window="24h")
     _wait(lambda: client_a.batches.retrieve(batch.id).request_counts.completed > 0, 120, "first results")
-    before = workers()
-    for worker in before.values():
-        if worker.get("engine_pid"):
-            os.kill(worker["engine_pid"], signal.SIGKILL)
+    before = _workers(api_url)
+    killed = _kill_engines(before)
+    assert killed
     done = _wait(lambda: (b := client_a.batches.retrieve(batch.id)).status in TERMINAL and b, 120, "batch")
-    assert done.status == "completed" and done.request_counts.failed > 0
-    assert done.request_counts.completed + done.request_counts.failed == 200
-    errors = read_lines(client_a, done.error_file_id)
-    assert {e["error"]["code"] for e in errors} == {"server_error"}
-    assert all("engine process exited" in e["error"]["message"] for e in errors)
+    assert done.status == "completed"
+    assert (done.request_counts.completed, done.request_counts.failed) == (200, 0)
+    assert sorted(line["custom_id"] for line in read_lines(client_a, done.output_file_id)) == \
+        sorted(f"e-{i}" for i in range(200))
 
     reply = client_a.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "Hi"}],
                                              max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
     assert reply.usage.completion_tokens == 4
-    after = workers()
+    after = _workers(api_url)
     assert {n: w["pid"] for n, w in after.items()} == {n: w["pid"] for n, w in before.items()}
+    assert not killed & {w.get("engine_pid") for w in after.values()}
+
+
+def _decode_steps(api_url: str) -> int:
+    return sum(m["engine"].get("decode_steps", 0) for w in _workers(api_url).values() for m in w.get("models", []))
+
+
+def _engine_processes(worker_pids: set[int]) -> set[int]:
+    """The workers' engine processes, read from /proc: a new one shows there as soon as it is spawned, long before
+    it has imported torch and could take a request (the registry shows it only at the next heartbeat)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            command = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent in worker_pids and b"spawn_main" in command:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def test_a_line_whose_engine_process_dies_twice_goes_to_the_error_file(client_a, api_url):
+    # as long as the demo model allows (1,024 positions): still running when the registry shows them decoding
+    lines = [chat_line(f"d-{i}", "demo-tiny", max_tokens=1000, ignore_eos=True) for i in range(64)]
+    upload = client_a.files.create(file=("twice.jsonl", "\n".join(lines).encode()), purpose="batch")
+    worker_pids = {w["pid"] for w in _workers(api_url).values()}
+    steps = _decode_steps(api_url)
+    batch = client_a.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                    completion_window="24h")
+    _wait(lambda: _decode_steps(api_url) > steps, 60, "the batch's lines to be decoding")
+    first = _engine_processes(worker_pids)
+    for pid in first:
+        os.kill(pid, signal.SIGKILL)
+    # the lines go to a new engine process: kill it before it can run them
+    second = _wait(lambda: _engine_processes(worker_pids) - first, 30, "a new engine process")
+    for pid in second:
+        os.kill(pid, signal.SIGKILL)
+    done = _wait(lambda: (b := client_a.batches.retrieve(batch.id)).status in TERMINAL and b, 120, "batch")
+    assert done.status == "completed"
+    assert done.request_counts.failed > 0
+    assert done.request_counts.completed + done.request_counts.failed == 64
+    errors = read_lines(client_a, done.error_file_id)
+    assert {e["error"]["code"] for e in errors} == {"server_error"}
+    assert all("engine process exited" in e["error"]["message"] for e in errors)

@@ -17,13 +17,16 @@ from contract import batches, events
 from contract.inference_outputs import BUILDERS, response
 from contract.inference_requests import BODY_SCHEMAS
 from contract.records import new_id, now
-from worker.inference import RequestFailed, cancel_watch_for, host_for, outcome, prepare
+from worker.inference import EngineProcessExited, RequestFailed, cancel_watch_for, host_for, outcome, prepare
 from worker.node import Node
 
 POLL_SECONDS = 0.2
 # Lines handed to the engine process per message: one message per line costs the engine's GIL more, and a whole
 # chunk per message makes the engine wait until every line is tokenized.
 SEND_LINES = 16
+# Times a line is given to the engines: once more after the engine process died under it (out of device memory,
+# say), so one request that kills it costs the other lines a rerun, not a failure.
+ATTEMPTS = 2
 
 
 class _Running(NamedTuple):
@@ -31,8 +34,13 @@ class _Running(NamedTuple):
     custom_id: str | None
     number: int  # in the input file
     request: dict
-    request_id: str
+    arguments: tuple  # EngineHost.generate's, from inference.prepare; the first is the request id
     future: Future
+    attempts: int = 1
+
+    @property
+    def request_id(self) -> str:
+        return self.arguments[0]
 
 
 def _error_line(custom_id: str | None, code: str, message: str) -> dict:
@@ -80,7 +88,7 @@ def run_chunk(node: Node, chunk_id: str) -> None:
                 fail(position, custom_id, exc.code, f"line {number}: {exc}")
         else:
             for (position, custom_id, number, request, arguments), future in zip(prepared, futures, strict=True):
-                pending[position] = _Running(custom_id, number, request, arguments[0], future)
+                pending[position] = _Running(custom_id, number, request, arguments, future)
         prepared.clear()
 
     for position, (number, line) in enumerate(mine):
@@ -111,8 +119,23 @@ def run_chunk(node: Node, chunk_id: str) -> None:
     store.add_counts("chunk", chunk_id, progress)
     progress.clear()
     finished: queue.SimpleQueue[int] = queue.SimpleQueue()  # positions, put by the engine as each one ends
+
+    def report_when_done(position: int, future: Future) -> None:
+        future.add_done_callback(lambda _: finished.put(position))
+
+    def run_again(lines: list[tuple[int, _Running]]) -> None:
+        try:
+            futures = host_for(node).generate_many([line.arguments for _, line in lines])
+        except RequestFailed as exc:
+            for position, line in lines:
+                fail(position, line.custom_id, exc.code, f"line {line.number}: {exc}")
+            return
+        for (position, line), future in zip(lines, futures, strict=True):
+            pending[position] = line._replace(future=future, attempts=line.attempts + 1)
+            report_when_done(position, future)
+
     for position, running in pending.items():
-        running.future.add_done_callback(lambda _, position=position: finished.put(position))
+        report_when_done(position, running.future)
     cancel_asked = threading.Event()
     with cancel_watch_for(node).watching(batch_id, cancel_asked.set):
         while pending:
@@ -126,6 +149,7 @@ def run_chunk(node: Node, chunk_id: str) -> None:
                 host = host_for(node)
                 for running in pending.values():
                     host.cancel(running.request_id)
+            lost: list[tuple[int, _Running]] = []  # lines whose engine process died under them
             for position in ready:
                 line = pending.pop(position)
                 try:
@@ -133,6 +157,14 @@ def run_chunk(node: Node, chunk_id: str) -> None:
                     if result.finish_reason == "cancelled":
                         continue  # unfinished when the batch was cancelled: neither output nor error
                     done = outcome(result)
+                except EngineProcessExited as exc:
+                    if cancelled:
+                        continue  # unfinished, as a cancelled line
+                    if line.attempts < ATTEMPTS:
+                        lost.append((position, line))
+                    else:
+                        fail(position, line.custom_id, exc.code, f"line {line.number}: {exc}")
+                    continue
                 except RequestFailed as exc:
                     fail(position, line.custom_id, exc.code, f"line {line.number}: {exc}")
                     continue
@@ -142,6 +174,8 @@ def run_chunk(node: Node, chunk_id: str) -> None:
                                                                 done, line.request)}}
                 progress.update(completed=1, input_tokens=done["prompt_tokens"],
                                 output_tokens=done["completion_tokens"])
+            if lost:
+                run_again(lost)
             if progress:
                 store.add_counts("chunk", chunk_id, progress)
                 progress.clear()

@@ -36,6 +36,15 @@ class RequestFailed(Exception):
         self.code = code
 
 
+class EngineProcessExited(RequestFailed):
+    """The node's engine process died while the request ran: nothing about the request failed, so it can be sent
+    again (the next one starts a new process)."""
+
+    def __init__(self, exit_code: int | None):
+        super().__init__("server_error", f"The worker's engine process exited (exit code {exit_code}) while this "
+                                         "request ran; it can be sent again.")
+
+
 @dataclass
 class LoadedModel:
     engine: Engine
