@@ -35,8 +35,8 @@ class _Running(NamedTuple):
     number: int  # in the input file
     request: dict
     arguments: tuple  # EngineHost.generate's, from inference.prepare; the first is the request id
-    future: Future
-    attempts: int = 1
+    future: Future | None = None  # set when handed to the engine process
+    attempts: int = 0
 
     @property
     def request_id(self) -> str:
@@ -78,18 +78,21 @@ def run_chunk(node: Node, chunk_id: str) -> None:
         failed_positions.add(position)
         progress["failed"] += 1
 
-    prepared: list[tuple[int, str | None, int, dict, tuple]] = []  # lines tokenized and not yet sent
+    finished: queue.SimpleQueue[int] = queue.SimpleQueue()  # positions, put by the engine as each one ends
 
-    def send_prepared() -> None:
+    def hand_over(lines: list[tuple[int, _Running]]) -> None:
+        """Give lines to the engine process in one message; each puts its position in `finished` when it ends."""
         try:
-            futures = host_for(node).generate_many([arguments for *_, arguments in prepared])
+            futures = host_for(node).generate_many([line.arguments for _, line in lines])
         except RequestFailed as exc:
-            for position, custom_id, number, _, _ in prepared:
-                fail(position, custom_id, exc.code, f"line {number}: {exc}")
-        else:
-            for (position, custom_id, number, request, arguments), future in zip(prepared, futures, strict=True):
-                pending[position] = _Running(custom_id, number, request, arguments, future)
-        prepared.clear()
+            for position, line in lines:
+                fail(position, line.custom_id, exc.code, f"line {line.number}: {exc}")
+            return
+        for (position, line), future in zip(lines, futures, strict=True):
+            pending[position] = line._replace(future=future, attempts=line.attempts + 1)
+            future.add_done_callback(lambda _, position=position: finished.put(position))
+
+    prepared: list[tuple[int, _Running]] = []  # lines tokenized and not yet handed over
 
     for position, (number, line) in enumerate(mine):
         custom_id, body, problem = batches.parse_line(line, number, endpoint)
@@ -101,8 +104,8 @@ def run_chunk(node: Node, chunk_id: str) -> None:
             continue
         try:
             request = BODY_SCHEMAS[endpoint].model_validate(body).normal()
-            prepared.append((position, custom_id, number, request,
-                             prepare(node, new_id("batch_request"), tenant, request)))
+            prepared.append((position, _Running(custom_id, number, request,
+                                                prepare(node, new_id("batch_request"), tenant, request))))
         except ValidationError as exc:
             first = exc.errors()[0]
             fail(position, custom_id, "invalid_request",
@@ -110,32 +113,15 @@ def run_chunk(node: Node, chunk_id: str) -> None:
         except RequestFailed as exc:
             fail(position, custom_id, exc.code, f"line {number}: {exc}")
         if len(prepared) == SEND_LINES:
-            send_prepared()
+            hand_over(prepared)
+            prepared = []
     if prepared:
-        send_prepared()
+        hand_over(prepared)
 
     timings["submitted"] = time.time()
     cancelled = False
     store.add_counts("chunk", chunk_id, progress)
     progress.clear()
-    finished: queue.SimpleQueue[int] = queue.SimpleQueue()  # positions, put by the engine as each one ends
-
-    def report_when_done(position: int, future: Future) -> None:
-        future.add_done_callback(lambda _: finished.put(position))
-
-    def run_again(lines: list[tuple[int, _Running]]) -> None:
-        try:
-            futures = host_for(node).generate_many([line.arguments for _, line in lines])
-        except RequestFailed as exc:
-            for position, line in lines:
-                fail(position, line.custom_id, exc.code, f"line {line.number}: {exc}")
-            return
-        for (position, line), future in zip(lines, futures, strict=True):
-            pending[position] = line._replace(future=future, attempts=line.attempts + 1)
-            report_when_done(position, future)
-
-    for position, running in pending.items():
-        report_when_done(position, running.future)
     cancel_asked = threading.Event()
     with cancel_watch_for(node).watching(batch_id, cancel_asked.set):
         while pending:
@@ -175,7 +161,7 @@ def run_chunk(node: Node, chunk_id: str) -> None:
                 progress.update(completed=1, input_tokens=done["prompt_tokens"],
                                 output_tokens=done["completion_tokens"])
             if lost:
-                run_again(lost)
+                hand_over(lost)
             if progress:
                 store.add_counts("chunk", chunk_id, progress)
                 progress.clear()
