@@ -133,7 +133,7 @@ class RecordStore:
     def page(self, kind: str, tenant: str, after: str | None = None, limit: int = 20) -> tuple[list[dict], bool]:
         """Newest first; `after` is the id of the last record of the previous page. Returns (page, has_more)."""
         ids = after_cursor(self.redis.zrevrange(_index(kind, tenant), 0, -1), after)
-        page = [r for r in (self.get(kind, i, tenant) for i in ids[: limit + 1]) if r is not None]
+        page = [r for r in self.get_many(kind, ids[: limit + 1]) if r is not None and r.get("tenant") == tenant]
         return page[:limit], len(page) > limit
 
     # Records the reconciler watches: queued or running work that a dead worker could strand.
