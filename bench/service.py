@@ -130,7 +130,8 @@ class Stack:
         since = time.time()
         while True:
             workers = self.http.get("/workers").json()["data"]
-            if all(w["heartbeat_at"] > since for w in workers):
+            # a heartbeat that timed out on the engine process carries its previous report: wait for a fresh one
+            if all(w["heartbeat_at"] > since and "engine_process" not in w for w in workers):
                 break
             time.sleep(0.2)
         for worker in workers:
