@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q -e ".[api,worker,test]"
 	touch $(STAMP)
 
-.PHONY: up test
+.PHONY: up test test-slow
 up: $(STAMP)
 	$(VENV)/bin/xpu-jobs up
 
@@ -20,3 +20,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	bash .ci/check_deploy.sh
 	$(VENV)/bin/python -m pytest -q
+
+# The slow groups: fault injection and the browser. Exit 5 (no test collected) is not a failure while a group is empty.
+test-slow: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m 'faults or browser' || [ $$? -eq 5 ]

@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker.engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
+from worker.engine.engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
 
 GiB = 1 << 30
 
@@ -332,7 +332,7 @@ def gpu_check(device: str) -> dict:
         except Exception as e:
             out[f"bf16_{prefill}_error"] = f"{type(e).__name__}: {e}"
     try:
-        from worker.engine_triton import decode_attention
+        from worker.engine.triton_kernels import decode_attention
 
         torch.manual_seed(0)
         q = torch.randn(64, 8, 2, 128, device=device, dtype=torch.bfloat16)
@@ -373,7 +373,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     if args.device == "auto":
-        from worker.devices import detect_backend
+        from worker.node.devices import detect_backend
 
         args.device = detect_backend()
     dev = Device(args.device if args.device != "cuda" and args.device != "xpu" else f"{args.device}:0")

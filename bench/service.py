@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from worker.redis_server import free_port
+from worker.node.redis_server import free_port
 
 MODEL_NAME = {"tiny": "bench-tiny", "qwen3-0.6b": "bench-qwen3-0.6b"}
 
@@ -244,7 +244,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     backend = args.backend
     if backend == "auto":
-        from worker.devices import probe_backend
+        from worker.node.devices import probe_backend
 
         backend = probe_backend()[0]
     stack = Stack(args.model, backend, int(args.engine_memory_gib * (1 << 30)), 256, 1024)

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from worker.demo_model import build_demo_model
-from worker.redis_server import free_port, start_redis
+from worker.node.redis_server import free_port, start_redis
 
 KEY_A, KEY_B = "key-tenant-a", "key-tenant-b"
 

@@ -20,7 +20,7 @@ import yaml
 from contract.queues import make_celery
 from contract.settings import Settings
 from worker.cli import build_parser, worker_commands
-from worker.devices import normalise_mask
+from worker.node.devices import normalise_mask
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_TEXT = (ROOT / "docker-compose.yml").read_text()

@@ -1,4 +1,4 @@
-"""worker/engine.py on CPU with the tiny demo model (fp32): same tokens as greedy `generate`, per-request LoRA in
+"""worker/engine/engine.py on CPU with the tiny demo model (fp32): same tokens as greedy `generate`, per-request LoRA in
 one batch, sampling, stop strings, errors, cancellation, concurrent submission, model swaps, memory budget."""
 
 import random
@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from worker.engine import Engine, GenerationRequest, SamplingParams, _mix32, _mix32_py, _mul32, sample_tokens
+from worker.engine.engine import Engine, GenerationRequest, SamplingParams, _mix32, _mix32_py, _mul32, sample_tokens
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -293,7 +293,7 @@ def test_closed_engine_refuses(model, tokenizer):
 def test_model_spread_over_devices_uses_the_models_own_forward(tiny_dir):
     """device_map='auto' over a worker's devices: the native path reads weights from one device, so it stands
     aside for the model's forward, which moves activations between devices itself."""
-    from worker.engine import native_unsupported_reason
+    from worker.engine.engine import native_unsupported_reason
 
     model = load(tiny_dir)
     assert native_unsupported_reason(model) is None

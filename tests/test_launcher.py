@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from worker.devices import PinningError, normalise_mask, pinned_environment
+from worker.node.devices import PinningError, normalise_mask, pinned_environment
 
 
 def launcher(*args: str, env_extra: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:

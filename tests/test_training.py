@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from worker.demo_model import build_demo_model
-from worker.training import _resume_point, tokenize_examples
+from worker.training.trainer import _resume_point, tokenize_examples
 
 
 def test_resume_skips_a_checkpoint_cut_short(tmp_path):
@@ -39,7 +39,7 @@ def test_data_parallel_training_with_two_processes(stack_env, redis_client, tmp_
     from contract import events
     from contract.layout import adapter_dir, file_path
     from contract.records import RecordStore, new_id
-    from worker.fine_tune import training_command
+    from worker.training.fine_tune import training_command
 
     root = Path(stack_env["XPUJOBS_ARTIFACT_ROOT"])
     store = RecordStore(redis_client)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from contract.queues import backend_queue, node_queue
-from worker.devices import PinningError, pinned_environment, probe_backend
+from worker.node.devices import PinningError, pinned_environment, probe_backend
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,7 +79,7 @@ def worker_commands(args: argparse.Namespace, environ: dict[str, str]) -> list[t
         node = _node_name(args.name, pinning and next(iter(pinning.values())), len(groups) > 1)
         env = {**environ, **pinning, "XPUJOBS_DEVICE_BACKEND": backend, "XPUJOBS_NODE_NAME": node}
         queues = f"{backend_queue(backend)},{node_queue(node)}"
-        argv = [sys.executable, "-m", "celery", "-A", "worker.app", "worker", "-P", "threads",
+        argv = [sys.executable, "-m", "celery", "-A", "worker.node.app", "worker", "-P", "threads",
                 "-c", str(concurrency), "-n", node, "-Q", queues, "-E", "--without-mingle",
                 "--without-gossip", "--loglevel", "INFO"]
         commands.append((argv, env))
@@ -133,7 +133,7 @@ def cmd_api(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     from contract.settings import Settings
-    from worker.redis_server import start_redis
+    from worker.node.redis_server import start_redis
 
     data_dir = args.data_dir.resolve()
     env = dict(os.environ)
@@ -179,7 +179,7 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
 
 def cmd_devices(_args: argparse.Namespace) -> int:
     from contract.settings import Settings
-    from worker import devices
+    from worker.node import devices
 
     backend = devices.detect_backend(Settings().device_backend)
     print(json.dumps({"backend": backend, "devices": devices.describe(backend)}, indent=2))

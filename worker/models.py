@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from contract.settings import Settings
-from worker import devices
+from worker.node import devices
 
 
 class ModelLoadError(Exception):

@@ -2,7 +2,7 @@
 engine that batches every concurrent request for it; fine-tuned adapters are loaded onto the loaded base once
 and chosen per request inside a batch, never by reloading the base.
 
-The models and engines live in the node's engine process (worker/engine_host.py): `start` runs in the worker and
+The models and engines live in the node's engine process (worker/serving/engine_host.py): `start` runs in the worker and
 hands a request over; `submit` and the ModelCache run in that process."""
 
 import contextlib
@@ -19,13 +19,13 @@ from contract import catalog, events
 from contract.layout import adapter_dir, checkpoint_dir
 from contract.records import now
 from contract.settings import Settings
-from worker import devices
-from worker.engine import Engine, GenerationRequest, GenerationResult, SamplingParams
+from worker.engine.engine import Engine, GenerationRequest, GenerationResult, SamplingParams
 from worker.models import ModelLoadError, load_model_and_tokenizer, load_tokenizer
-from worker.node import Node
+from worker.node import devices
+from worker.node.node import Node
 
 if TYPE_CHECKING:
-    from worker.engine_host import EngineHost
+    from worker.serving.engine_host import EngineHost
 
 CANCEL_POLL_SECONDS = 0.1
 
@@ -156,7 +156,7 @@ _hosts_lock = threading.Lock()
 
 def host_for(node: Node) -> "EngineHost":
     """The node's engine process (started on first use), whose models the registry reports."""
-    from worker.engine_host import EngineHost
+    from worker.serving.engine_host import EngineHost
 
     with _hosts_lock:
         if node.name not in _hosts:

@@ -1,4 +1,4 @@
-"""The training process of one fine-tuning job: `python -m worker.training <job id>`, started by its node.
+"""The training process of one fine-tuning job: `python -m worker.training.trainer <job id>`, started by its node.
 
 LoRA with PEFT on the HF Trainer; QLoRA loads the base in bitsandbytes 4-bit nf4 first. Checkpoints every N
 steps under the job's directory; a retried job resumes from the newest. Writes outcome.json for the node.
@@ -20,8 +20,8 @@ from contract.records import RecordStore, new_id, now
 from contract.redis_conn import sync_client
 from contract.settings import Settings
 from contract.training_data import read_examples
-from worker import devices
 from worker.models import ModelLoadError, load_model_and_tokenizer
+from worker.node import devices
 
 CANCEL_CHECK_SECONDS = 1.0
 # Set by SIGTERM (the node's warm shutdown): save a checkpoint and stop, to be resumed elsewhere.

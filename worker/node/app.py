@@ -14,7 +14,7 @@ from contract.settings import Settings
 
 settings = Settings()
 app = make_celery(settings, main="worker")
-app.conf.imports = ("worker.tasks",)
+app.conf.imports = ("worker.node.tasks",)
 
 _state: dict = {}
 
@@ -25,8 +25,8 @@ def node():
 
 @signals.worker_init.connect
 def _start_node(**_):
-    from worker.node import Node
-    from worker.reconciler import Reconciler
+    from worker.node.node import Node
+    from worker.node.reconciler import Reconciler
 
     try:
         _state["node"] = Node(settings)
@@ -35,7 +35,7 @@ def _start_node(**_):
         sys.stdout.flush()
         os._exit(78)  # EX_CONFIG: a misconfigured node must not sit on the queue doing nothing
     _state["node"].start()
-    from worker.inference import freeze_heap, host_for
+    from worker.serving.inference import freeze_heap, host_for
 
     host_for(_state["node"]).start()  # the engine process imports torch and the model libraries meanwhile
     freeze_heap()  # after the imports
@@ -54,7 +54,7 @@ def _stop_node(**_):
     if "reconciler" in _state:
         _state["reconciler"].stop()
     if "node" in _state:
-        from worker.inference import host_for
+        from worker.serving.inference import host_for
 
         host_for(_state["node"]).close()
         _state["node"].stop()

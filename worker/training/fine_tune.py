@@ -1,6 +1,6 @@
 """Runs a fine-tuning job on this node: claims the record, trains in a child process, settles the outcome.
 
-The child (worker.training) holds all device memory of the job, so its exit frees it all, whether the job
+The child (worker.training.trainer) holds all device memory of the job, so its exit frees it all, whether the job
 succeeded, failed, was cancelled or was killed. The node refreshes the job's lease while the child runs; if
 the node dies, the lease lapses and the reconciler requeues the job.
 """
@@ -20,7 +20,7 @@ from contract.queues import publish
 from contract.records import now
 from contract.registry import live_workers
 from contract.routing import NoCapableWorker, Requirement, choose_queue
-from worker.node import Node
+from worker.node.node import Node
 
 
 def run_fine_tune(node: Node, celery: Celery, job_id: str) -> None:
@@ -68,9 +68,9 @@ def _train_in_child(node: Node, record: dict) -> dict:
 def training_command(job_id: str, processes: int) -> list[str]:
     """One process, or one per device through torchrun (data parallel, the guide's one process per XPU)."""
     if processes <= 1:
-        return [sys.executable, "-m", "worker.training", job_id]
+        return [sys.executable, "-m", "worker.training.trainer", job_id]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
-            "-m", "worker.training", job_id]
+            "-m", "worker.training.trainer", job_id]
 
 
 def _settle(node: Node, celery: Celery, record: dict, outcome: dict) -> None:

@@ -20,8 +20,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from worker.engine import GenerationResult
-from worker.inference import EngineProcessExited, RequestFailed
+from worker.engine.engine import GenerationResult
+from worker.serving.inference import EngineProcessExited, RequestFailed
 
 # The heartbeat waits this long for the child's report, then publishes the last one it had: the heartbeat also
 # keeps the node in the registry, and a child still starting (importing torch) answers only seconds later.
@@ -169,7 +169,7 @@ class EngineHost:
 def serve(conn: Connection, backend: str) -> None:
     """The child: loads models, runs their engines, and answers the worker through `conn` until it closes."""
     from contract.settings import Settings
-    from worker.inference import ModelCache, freeze_heap, submit
+    from worker.serving.inference import ModelCache, freeze_heap, submit
 
     cache = ModelCache(Settings(), backend)
     lock = threading.Lock()  # the two maps below

@@ -14,7 +14,7 @@ step, whatever the batch size, so the device idles. This engine does the per-ste
   kept busy. LoRA adapters (PEFT) are applied per request inside the same batch: every adapter's A and B matrices
   are stacked per projection and a per-slot mask selects the adapter's rank columns, i.e.
   delta = ((x @ A_all^T) * mask) @ (scaling * B_all)^T.
-  On cuda/xpu with triton installed (kernels="auto"/"triton"), worker/engine_triton.py supplies a decode
+  On cuda/xpu with triton installed (kernels="auto"/"triton"), worker/engine/triton_kernels.py supplies a decode
   attention kernel that reads only each row's own cache length (so one graph per batch size suffices) and fused
   RMSNorm / q-k norm + RoPE / SiLU*up kernels; on cpu (and with kernels="torch") plain torch ops that reproduce
   transformers' arithmetic exactly. If the Triton kernels or graph capture fail on a machine, the engine logs it
@@ -562,14 +562,14 @@ class Engine:
 
     def _choose_attention(self) -> None:
         """kernels='triton' (the default on cuda/xpu when triton imports): decode attention that reads each row's
-        own length, and fused RMSNorm / q-k norm + RoPE / SiLU*up (worker/engine_triton.py); else plain torch ops
+        own length, and fused RMSNorm / q-k norm + RoPE / SiLU*up (triton_kernels.py); else plain torch ops
         (always on cpu, where they reproduce transformers' arithmetic exactly)."""
         want = self._want_attention
         self._tri = None
         if want in ("auto", "triton"):
             why = None
             try:
-                from worker import engine_triton
+                from worker.engine import triton_kernels as engine_triton
 
                 if not (engine_triton.supported(self.nat.head_dim, self.nat.hq // self.nat.hkv)
                         and engine_triton.fused_supported(self.nat.head_dim, getattr(self.nat.cfg, "hidden_act", ""))):

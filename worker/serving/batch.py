@@ -17,8 +17,8 @@ from contract import batches, events
 from contract.inference_outputs import BUILDERS, response
 from contract.inference_requests import BODY_SCHEMAS
 from contract.records import new_id, now
-from worker.inference import EngineProcessExited, RequestFailed, cancel_watch_for, host_for, outcome, prepare
-from worker.node import Node
+from worker.node.node import Node
+from worker.serving.inference import EngineProcessExited, RequestFailed, cancel_watch_for, host_for, outcome, prepare
 
 POLL_SECONDS = 0.2
 # Lines handed to the engine process per message: one message per line costs the engine's GIL more, and a whole

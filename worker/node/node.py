@@ -9,7 +9,7 @@ from contract import events, registry
 from contract.records import RecordStore
 from contract.redis_conn import sync_client
 from contract.settings import Settings
-from worker import devices
+from worker.node import devices
 
 
 class Node:

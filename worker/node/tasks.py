@@ -6,27 +6,27 @@ Tasks are acked when they start (see contract.queues); the record and its lease 
 from celery.utils.log import get_task_logger
 
 from contract.queues import TASK_BATCH_CHUNK, TASK_FINE_TUNE, TASK_INFERENCE
-from worker.app import app, node
+from worker.node.app import app, node
 
 log = get_task_logger(__name__)
 
 
 @app.task(name=TASK_FINE_TUNE)
 def fine_tune(job_id: str) -> None:
-    from worker.fine_tune import run_fine_tune
+    from worker.training.fine_tune import run_fine_tune
 
     run_fine_tune(node(), app, job_id)
 
 
 @app.task(name=TASK_INFERENCE)
 def inference(kind: str, record_id: str) -> None:
-    from worker.inference import run_request
+    from worker.serving.inference import run_request
 
     run_request(node(), kind, record_id)
 
 
 @app.task(name=TASK_BATCH_CHUNK)
 def batch_chunk(chunk_id: str) -> None:
-    from worker.batch import run_chunk
+    from worker.serving.batch import run_chunk
 
     run_chunk(node(), chunk_id)
