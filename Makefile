@@ -3,13 +3,20 @@
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
+# xpu, cuda or cpu: the torch build this host needs (deploy/torch_backend.py looks at its GPUs); set it to override.
+TORCH_BACKEND ?= $(shell $(PYTHON) deploy/torch_backend.py)
+# The Hub kernels (flash_attention_2, use_kernels) exist only for GPUs.
+comma := ,
+EXTRAS = api,worker,test$(if $(filter cpu,$(TORCH_BACKEND)),,$(comma)kernels)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml deploy/torch_backend.py
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	# torch first, pinned: on this machine pip takes the CPU wheel; elsewhere a plain install pulls a CUDA build.
-	$(VENV)/bin/pip install -q "torch==2.13.0"
-	$(VENV)/bin/pip install -q -e ".[api,worker,test]"
+	@$(PYTHON) deploy/torch_backend.py --explain $(TORCH_BACKEND)
+	# torch first, pinned, from the wheel index of the host's backend (PyPI's plain build is the CUDA one).
+	$(VENV)/bin/pip install -q "torch==2.13.0" $$($(PYTHON) deploy/torch_backend.py --pip-args $(TORCH_BACKEND))
+	$(VENV)/bin/pip install -q -e ".[$(EXTRAS)]"
+	$(VENV)/bin/python deploy/torch_backend.py --verify $(TORCH_BACKEND)
 	touch $(STAMP)
 
 .PHONY: up test test-slow

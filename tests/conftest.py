@@ -17,6 +17,8 @@ from worker.demo_model import build_demo_model
 from worker.node.redis_server import free_port, start_redis
 
 KEY_A, KEY_B = "key-tenant-a", "key-tenant-b"
+# cpu everywhere by default; XPUJOBS_TEST_BACKEND=cuda (or xpu) runs the same suite on a GPU machine.
+TEST_BACKEND = os.environ.get("XPUJOBS_TEST_BACKEND", "cpu")
 
 
 @pytest.fixture(scope="session")
@@ -44,8 +46,7 @@ def stack_env(stack_dir, redis_url) -> dict[str, str]:
         "XPUJOBS_MODELS_ROOT": str(models),
         "XPUJOBS_BASE_MODELS": json.dumps(["demo-tiny"]),
         "XPUJOBS_API_KEYS": json.dumps({KEY_A: "tenant-a", KEY_B: "tenant-b"}),
-        # cpu everywhere by default; XPUJOBS_TEST_BACKEND=cuda (or xpu) runs the same suite on a GPU machine.
-        "XPUJOBS_DEVICE_BACKEND": os.environ.get("XPUJOBS_TEST_BACKEND", "cpu"),
+        "XPUJOBS_DEVICE_BACKEND": TEST_BACKEND,
         "XPUJOBS_LEASE_SECONDS": "4",
         "XPUJOBS_HEARTBEAT_SECONDS": "1",
         "XPUJOBS_MAX_UPLOAD_BYTES": str(256 * 1024),

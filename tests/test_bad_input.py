@@ -4,7 +4,7 @@ import json
 
 import openai
 import pytest
-from conftest import wait_for_job
+from conftest import TEST_BACKEND, wait_for_job
 
 GOOD = json.dumps({"prompt": "Hi", "completion": "Hello."}).encode()
 
@@ -111,18 +111,24 @@ def test_wrong_file_purpose_and_missing_file(client_a):
     assert_openai_error(exc.value, 404, "training_file")
 
 
-def test_bf16_on_a_worker_without_it_is_refused_at_once(client_a):
+def test_bf16_on_a_worker_without_it_is_refused_at_once(client_a, http_a):
     upload = client_a.files.create(file=("a.jsonl", GOOD), purpose="fine-tune")
+    if any(w.get("bf16") for w in http_a.get("/v1/workers").json()["data"]):  # a GPU run: the devices have bf16
+        job = client_a.fine_tuning.jobs.create(model="demo-tiny", training_file=upload.id, extra_body={"bf16": True})
+        client_a.fine_tuning.jobs.cancel(job.id)
+        return
     with pytest.raises(openai.BadRequestError) as exc:
         client_a.fine_tuning.jobs.create(model="demo-tiny", training_file=upload.id, extra_body={"bf16": True})
     assert "bf16" in exc.value.message
 
 
 def test_unavailable_attention_fails_that_request_only(client_a):
-    with pytest.raises(openai.BadRequestError) as exc:
+    try:
         client_a.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "Hi"}],
                                          max_tokens=2, extra_body={"attn_implementation": "flash_attention_2"})
-    assert "flash_attention_2" in exc.value.message
+        assert TEST_BACKEND != "cpu", "flash_attention_2 cannot run on cpu"  # on a GPU the Hub kernel may serve it
+    except openai.BadRequestError as exc:
+        assert "flash_attention_2" in exc.message
     eager = client_a.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "Hi"}],
                                              max_tokens=2, extra_body={"attn_implementation": "eager"})
     assert eager.usage.completion_tokens >= 1

@@ -8,7 +8,14 @@ import sys
 
 import pytest
 
-from worker.node.devices import PinningError, normalise_mask, pinned_environment
+from worker.node.devices import (
+    MASK_VARIABLE,
+    ORDER_VARIABLE,
+    PinningError,
+    normalise_mask,
+    pinned_environment,
+    probe_backend,
+)
 
 
 def launcher(*args: str, env_extra: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -28,11 +35,15 @@ def test_dry_run_pins_exactly_the_mask():
 
 
 def test_worker_process_starts_with_the_mask_in_its_environment():
-    """A real exec: the node process reads the mask it was started with (and, having no XPU here, stops)."""
-    result = launcher("--backend", "xpu", "--devices", "0,2")
+    """A real exec: the node process reads the mask it was started with and, asked for a GPU backend this
+    machine lacks, stops saying so."""
+    present = probe_backend("auto")[0]
+    backend = "xpu" if present != "xpu" else "cuda"
+    mask, order = MASK_VARIABLE[backend], "=".join(ORDER_VARIABLE[backend])
+    result = launcher("--backend", backend, "--devices", "0,2")
     assert result.returncode == 78, result.stdout + result.stderr
-    assert "ZE_AFFINITY_MASK=0,2, ZE_ENABLE_PCI_ID_DEVICE_ORDER=1" in result.stderr
-    assert "torch sees no xpu device" in result.stderr
+    assert f"{mask}=0,2, {order}" in result.stderr
+    assert f"torch sees no {backend} device" in result.stderr
 
 
 def test_conflicting_inherited_mask_is_refused():
@@ -67,6 +78,9 @@ def test_masks_are_normalised_and_checked():
         pinned_environment("cpu", "0", {})
     assert pinned_environment("xpu", None, {"ZE_AFFINITY_MASK": "1"}) == {
         "ZE_AFFINITY_MASK": "1", "ZE_ENABLE_PCI_ID_DEVICE_ORDER": "1"}
+    # no mask at all: every device, still in PCI order (ids in logs and --devices mean the same GPUs)
+    assert pinned_environment("xpu", None, {}) == {"ZE_ENABLE_PCI_ID_DEVICE_ORDER": "1"}
+    assert pinned_environment("cuda", None, {}) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
 @pytest.mark.parametrize("module", ["worker.cli", "api.main"])

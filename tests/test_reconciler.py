@@ -2,8 +2,9 @@
 
 import time
 
-from conftest import _wait
+from conftest import TEST_BACKEND, _wait
 
+from contract.queues import backend_queue
 from contract.records import RecordStore, new_id
 
 
@@ -16,7 +17,7 @@ def test_record_whose_publisher_died_is_published(client_a, redis_client):
     store.create("response", {"id": record_id, "tenant": "tenant-a", "status": "queued",
                               "created_at": int(time.time()) - 60, "model": "demo-tiny", "base_model": "demo-tiny",
                               "adapter_job": None, "adapter_step": None, "request": request,
-                              "queue": "xpujobs.cpu", "background": True, "metadata": {}})
+                              "queue": backend_queue(TEST_BACKEND), "background": True, "metadata": {}})
     store.track("response", record_id)
     response = _wait(lambda: (r := client_a.responses.retrieve(record_id)).status == "completed" and r, 30,
                      "the reconciler to publish the record")

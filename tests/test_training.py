@@ -36,9 +36,12 @@ def test_data_parallel_training_with_two_processes(stack_env, redis_client, tmp_
     import os
     import subprocess
 
+    from conftest import TEST_BACKEND
+
     from contract import events
     from contract.layout import adapter_dir, file_path
     from contract.records import RecordStore, new_id
+    from worker.node.devices import DISTRIBUTED_BACKEND
     from worker.training.fine_tune import training_command
 
     root = Path(stack_env["XPUJOBS_ARTIFACT_ROOT"])
@@ -64,7 +67,7 @@ def test_data_parallel_training_with_two_processes(stack_env, redis_client, tmp_
     assert outcome["status"] == "succeeded", outcome
     assert (adapter_dir(root, "tenant-ddp", job_id) / "adapter_model.safetensors").exists()
     messages = [e["message"] for e in events.read_all(redis_client, job_id)]
-    assert "Training with 2 processes (gloo collectives)" in messages
+    assert f"Training with 2 processes ({DISTRIBUTED_BACKEND[TEST_BACKEND]} collectives)" in messages
     # 8 examples, 2 per process per step, 2 processes: 2 steps an epoch, 4 in all; each step reported once.
     assert [m.split(":")[0] for m in messages if m.startswith("Step ")] == [f"Step {i}/4" for i in (1, 2, 3, 4)]
     assert [c["step_number"] for c in store.get("ftjob", job_id)["checkpoints"]] == [2, 4]

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from contract.queues import backend_queue, node_queue
-from worker.node.devices import PinningError, pinned_environment, probe_backend
+from worker.node.devices import MASK_VARIABLE, PinningError, pinned_environment, probe_backend
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +76,7 @@ def worker_commands(args: argparse.Namespace, environ: dict[str, str]) -> list[t
     commands = []
     for devices in groups:
         pinning = pinned_environment(backend, devices, environ)
-        node = _node_name(args.name, pinning and next(iter(pinning.values())), len(groups) > 1)
+        node = _node_name(args.name, pinning.get(MASK_VARIABLE.get(backend, "")), len(groups) > 1)
         env = {**environ, **pinning, "XPUJOBS_DEVICE_BACKEND": backend, "XPUJOBS_NODE_NAME": node}
         queues = f"{backend_queue(backend)},{node_queue(node)}"
         argv = [sys.executable, "-m", "celery", "-A", "worker.node.app", "worker", "-P", "threads",

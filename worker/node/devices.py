@@ -50,18 +50,18 @@ def pinned_environment(backend: str, devices: str | None, inherited: dict[str, s
             raise PinningError("--devices names accelerator ids; the cpu backend has none")
         return {}
     variable = MASK_VARIABLE[backend]
+    order = dict([ORDER_VARIABLE[backend]])  # PCI order for every node with a device, masked or not
     inherited_mask = inherited.get(variable)
     if devices is None:
         if inherited_mask is None:
-            return {}
+            return order
         devices = inherited_mask
     mask = normalise_mask(devices)
     if inherited_mask is not None and normalise_mask(inherited_mask) != mask:
         raise PinningError(
             f"{variable}={inherited_mask} is already set in this environment but --devices asks for {mask}; "
             f"unset {variable} (or make it match) and start again")
-    order_variable, order_value = ORDER_VARIABLE[backend]
-    return {variable: mask, order_variable: order_value}
+    return {variable: mask, **order}
 
 
 def probe_backend(preference: str = "auto") -> tuple[str, int]:
