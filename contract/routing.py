@@ -12,6 +12,7 @@ BACKEND_PREFERENCE = ("xpu", "cuda", "cpu")
 class Requirement:
     memory_bytes: int = 0  # device memory the job needs in all (0: unknown, any worker)
     bf16: bool = False
+    model: str | None = None  # a base model: a worker that has it loaded needs no more memory for it
 
 
 class NoCapableWorker(Exception):
@@ -19,13 +20,23 @@ class NoCapableWorker(Exception):
 
 
 def worker_memory(worker: dict) -> int:
-    return sum(d["total_memory"] for d in worker.get("devices", []))
+    """Device memory a new model or job can have on this worker: what is free on its devices now (other
+    processes' use counted) plus what the worker would give back by evicting idle models. A worker that does
+    not report what it could give back is judged by its total memory."""
+    if "reclaimable_memory" not in worker:
+        return sum(d["total_memory"] for d in worker.get("devices", []))
+    free = sum(d.get("free_memory", d["total_memory"]) for d in worker.get("devices", []))
+    return free + worker["reclaimable_memory"]
+
+
+def has_loaded(worker: dict, model: str | None) -> bool:
+    return model is not None and any(m.get("model") == model for m in worker.get("models", []))
 
 
 def can_run(worker: dict, need: Requirement) -> bool:
     if need.bf16 and not worker.get("bf16"):
         return False
-    return need.memory_bytes <= worker_memory(worker)
+    return has_loaded(worker, need.model) or need.memory_bytes <= worker_memory(worker)
 
 
 def choose_queue(workers: list[dict], need: Requirement) -> str:
@@ -61,7 +72,7 @@ def weights_bytes(models_root: Path, model: str) -> int:
 
 
 def inference_requirement(models_root: Path, model: str) -> Requirement:
-    return Requirement(memory_bytes=int(weights_bytes(models_root, model) * 1.2))
+    return Requirement(memory_bytes=int(weights_bytes(models_root, model) * 1.2), model=model)
 
 
 def training_requirement(models_root: Path, model: str, quantization: str, bf16: bool) -> Requirement:

@@ -68,6 +68,20 @@ def test_routing():
         choose_queue([], Requirement())
 
 
+def test_routing_counts_free_memory_and_loaded_models():
+    """A device that other processes fill is judged by what is free on it plus what the worker could give back
+    by evicting its idle models; a worker that has the model loaded already needs nothing more for it."""
+    crowded = {"node": "a@h", "backend": "cuda", "bf16": True, "reclaimable_memory": 2,
+               "devices": [{"total_memory": 40, "free_memory": 3}], "models": [{"model": "m-loaded"}]}
+    roomy = {"node": "b@h", "backend": "cuda", "bf16": True, "reclaimable_memory": 0,
+             "devices": [{"total_memory": 40, "free_memory": 30}], "models": []}
+    assert choose_queue([crowded, roomy], Requirement(20)) == "xpujobs.node.b@h"
+    assert choose_queue([crowded, roomy], Requirement(5)) == "xpujobs.cuda"  # 3 free + 2 reclaimable is enough
+    assert choose_queue([crowded], Requirement(20, model="m-loaded")) == "xpujobs.cuda"
+    with pytest.raises(NoCapableWorker, match="GiB"):
+        choose_queue([crowded], Requirement(20, model="m-other"))
+
+
 def test_model_ids_and_names():
     model = fine_tuned_model_id("Qwen/Qwen3-0.6B", "mine", "ftjob-1")
     assert model == "ft:Qwen/Qwen3-0.6B:mine:ftjob-1"

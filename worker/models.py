@@ -36,6 +36,37 @@ def _unavailable(name: str, settings: Settings, exc: Exception) -> ModelLoadErro
                                                  f"{settings.models_root} and not fetchable): {exc}")
 
 
+# Room left beside the weights on the device they are placed on (activations, the engine's workspace).
+PLACEMENT_HEADROOM = 1.2
+QUANTIZED_FRACTION = {"4bit": 0.3, "8bit": 0.55}  # of the unquantized size, norms and embeddings included
+
+
+def model_bytes(name: str, settings: Settings, dtype) -> int:
+    """The weights' size at `dtype`, from the config alone (meta tensors: nothing is read or allocated)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_source(name, settings), trust_remote_code=settings.trust_remote_code)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=settings.trust_remote_code)
+    model.tie_weights()  # as from_pretrained does: tied embeddings count once
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def inference_placement(name: str, settings: Settings, backend: str, dtype, quantization: str):
+    """One device when the model fits the first device's free memory (the native engine serves it there);
+    spread over the node's group (`device_map="auto"`) only when it does not."""
+    visible = devices.describe(backend)
+    one_device = {"": devices.torch_device(backend)}
+    if len(visible) < 2:
+        return one_device
+    try:
+        need = model_bytes(name, settings, dtype) * QUANTIZED_FRACTION.get(quantization, 1.0)
+    except (OSError, ValueError):
+        return one_device  # the load itself reports what is wrong with the model
+    return one_device if need * PLACEMENT_HEADROOM <= visible[0]["free_memory"] else "auto"
+
+
 def load_model_and_tokenizer(name: str, settings: Settings, backend: str, *, attn_implementation: str = "sdpa",
                              quantization: str = "none", use_kernels: bool = False, for_training: bool = False):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -54,13 +85,12 @@ def load_model_and_tokenizer(name: str, settings: Settings, backend: str, *, att
             bnb_4bit_use_double_quant=True)
     elif quantization == "8bit":
         kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
-    visible = len(devices.describe(backend))
     if backend == "cpu":
         kwargs["device_map"] = {"": "cpu"}
-    elif visible > 1 and not for_training:
-        kwargs["device_map"] = "auto"  # spread a model too large for one device over the group
+    elif for_training:
+        kwargs["device_map"] = {"": devices.rank_device(backend)}
     else:
-        kwargs["device_map"] = {"": devices.rank_device(backend) if for_training else devices.torch_device(backend)}
+        kwargs["device_map"] = inference_placement(name, settings, backend, dtype, quantization)
     tokenizer = load_tokenizer(name, settings)
     try:
         model = AutoModelForCausalLM.from_pretrained(model_source(name, settings), **kwargs)

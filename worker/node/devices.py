@@ -114,16 +114,29 @@ def bf16_supported(backend: str) -> bool:
 
 
 def describe(backend: str) -> list[dict[str, Any]]:
-    """What this process sees: one entry per visible device (the host's memory for cpu)."""
+    """What this process sees: one entry per visible device (the host's memory for cpu), with the memory free
+    now (other processes' use included), as each heartbeat reports it."""
+    free = free_memory(backend)
     if backend == "cpu":
         import psutil
 
-        return [{"index": 0, "name": "cpu", "total_memory": psutil.virtual_memory().total, "bf16": False}]
+        return [{"index": 0, "name": "cpu", "total_memory": psutil.virtual_memory().total, "free_memory": free[0],
+                 "bf16": False}]
     module = _module(backend)
     bf16 = bf16_supported(backend)
     return [{"index": i, "name": module.get_device_name(i),
-             "total_memory": module.get_device_properties(i).total_memory, "bf16": bf16}
+             "total_memory": module.get_device_properties(i).total_memory, "free_memory": free[i], "bf16": bf16}
             for i in range(module.device_count())]
+
+
+def free_memory(backend: str) -> list[int]:
+    """Bytes free on each visible device now, whoever holds the rest (the host's available memory for cpu)."""
+    if backend == "cpu":
+        import psutil
+
+        return [psutil.virtual_memory().available]
+    module = _module(backend)
+    return [module.mem_get_info(i)[0] for i in range(module.device_count())]
 
 
 def torch_device(backend: str) -> str:

@@ -33,9 +33,11 @@ class Node:
     def info(self) -> dict:
         with self._lock:
             jobs = sorted(self.current_jobs)
+        free = devices.free_memory(self.backend)
         return {
             "node": self.name, "backend": self.backend, "device_ids": self.mask,
-            "devices": self.devices, "bf16": all(d["bf16"] for d in self.devices),
+            "devices": [{**d, "free_memory": f} for d, f in zip(self.devices, free)],
+            "bf16": all(d["bf16"] for d in self.devices),
             "current_jobs": jobs, "current_job": jobs[0] if jobs else None, "pid": os.getpid(),
             "started_at": self.started_at,
         } | {k: v for report in self.reporters for k, v in report().items()}
