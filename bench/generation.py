@@ -1,22 +1,43 @@
-"""Generation throughput: plain `generate` vs transformers' continuous batching vs the xpu-jobs engine.
+"""Generation throughput: plain `generate` vs transformers' continuous batching vs the xpu-jobs engine vs the whole
+service, on one or more workloads, in one run.
 
-One run, one model, the same prompts and the same output length for every variant (EOS is disabled everywhere,
-so each request produces exactly --new-tokens tokens; the script counts what each variant really produced).
+One run, one model, the same prompts and the same output length for every variant of a workload (EOS is disabled
+everywhere, so each request produces exactly its new-token count; the script counts what each variant returned).
 
-    python -m bench.generation --model qwen3-0.6b --device cuda --out results.json
+    python -m bench.generation --model qwen3-0.6b --device cuda --workloads current,long --chats 64 --out r.json
+    python -m bench.generation --model phi2-0.6b --device cuda --variants generate-bs128,generate-bs256,engine
     python -m bench.generation --model tiny --device cpu --prompts 128 --out tiny.json
 
-Variants (run in this order; --variants picks a subset):
-  generate-bs32, generate-bs128   plain model.generate, static batches of 32 / 128 in input order, left padding
-  generate_batch                  transformers continuous batching (auto_switch_to_flash=False), timed as called
-  generate_batch-warm             the same again on its persistent manager (graphs already captured)
-  engine-cold                     worker.engine.Engine, first run: includes capturing its graphs
-  engine                          the same engine again, warm
-  service                         (d) the whole service: one batch job through API, queue, worker (bench/service.py)
+Workloads (--workloads; --prompts, --min-prompt, --max-prompt, --new-tokens override each one's numbers):
+  current   512 prompts of 32-511 tokens, 128 new tokens each
+  long      1,024 prompts of 16-1,500 tokens, 256 new tokens each
 
-The qwen3-0.6b model is Qwen3-0.6B's architecture written out by hand (hidden 1024, 28 layers, 16 heads, 8 KV
-heads, head_dim 128, intermediate 3072, vocab 151936, tied embeddings) with random bf16 weights: nothing is
-downloaded. The GPU ceiling is FLOPs per token (2 x parameters) over a measured bf16 matrix-product rate.
+Variants (run in this order for each workload; --variants picks a subset):
+  generate-bs<N>          plain model.generate, static batches of N in input order, left padding, dynamic cache
+  generate-static-bs<N>   the same with cache_implementation="static", every batch padded to one shape (the
+                          workload's longest prompt, N rows) so the forward is compiled once (transformers compiles
+                          it by itself on cuda/xpu with a static cache); the first batch runs once untimed
+  generate_batch          transformers continuous batching (generate_batch; ContinuousBatchingConfig(
+                          auto_switch_to_flash=False): the image has no flash-attn package), timed as called
+  generate_batch-warm     the same again on its persistent manager (graphs already captured)
+  engine-cold             worker.engine's Engine built as the worker builds it (shipped settings), first call
+  engine                  the same engine again, warm
+  engine-adapters         a fresh engine on the model wrapped with 4 random LoRA adapters (rank 16, every decoder
+                          projection); the requests cycle through the 4 adapters and the base
+  service                 the whole service at its shipped settings: the same prompts as one batch job through the
+                          API, Redis, Celery and a worker started by `xpu-jobs up` (bench/service.py); run after
+                          every in-process variant of every workload, in one stack
+
+--chats N then measures N live chat completions through the same stack: sent one after another, then all at once,
+with time to first token and time per output token (p50/p99) where the API streams.
+
+Models (--model), random weights, nothing downloaded:
+  tiny         worker.demo_model (Qwen3 architecture, 2 layers, hidden 64)
+  qwen3-0.6b   Qwen3-0.6B's architecture (hidden 1024, 28 layers, 16 heads, 8 KV heads, head_dim 128)
+  phi3-0.6b    Phi-3's layout (fused qkv_proj / gate_up_proj) at the same size as qwen3-0.6b, vocab 32064
+  phi2-0.6b    Phi-2's layout (model_type "phi": LayerNorm, partial rotary, parallel attention and MLP, GELU),
+               hidden 1024, 24 layers: outside the engine's native list, so the engine takes its fallback path
+The GPU ceiling is FLOPs per token (2 x parameters) over a measured bf16 matrix-product rate.
 """
 
 from __future__ import annotations
@@ -26,12 +47,12 @@ import gc
 import json
 import platform
 import random
+import re
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -40,6 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from worker.engine.engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
 
 GiB = 1 << 30
+WORKLOADS = {"current": dict(prompts=512, min_prompt=32, max_prompt=511, new_tokens=128),
+             "long": dict(prompts=1024, min_prompt=16, max_prompt=1500, new_tokens=256)}
 
 
 # ---------------------------------------------------------------------------------------------- the model
@@ -52,6 +75,29 @@ def qwen3_06b_config():
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, hidden_act="silu",
                        attention_bias=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def phi3_06b_config():
+    from transformers import Phi3Config
+
+    return Phi3Config(vocab_size=32064, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                      num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096,
+                      original_max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                      hidden_act="silu", bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                      sliding_window=None)
+
+
+def phi2_06b_config():
+    from transformers import PhiConfig
+
+    return PhiConfig(vocab_size=51200, hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                     num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=4096,
+                     partial_rotary_factor=0.4, hidden_act="gelu_new", tie_word_embeddings=False,
+                     bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+CONFIGS = {"qwen3-0.6b": qwen3_06b_config, "phi3-0.6b": phi3_06b_config, "phi2-0.6b": phi2_06b_config}
+MODELS = ["tiny", *CONFIGS]
 
 
 def build_model(name: str, device: str, dtype: torch.dtype):
@@ -67,9 +113,9 @@ def build_model(name: str, device: str, dtype: torch.dtype):
     else:
         tok = None
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(qwen3_06b_config(), dtype=dtype)
+            model = AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=dtype)
     model.eval()
-    # No EOS anywhere: every variant must produce exactly --new-tokens tokens per request.
+    # No EOS anywhere: every variant must produce exactly its number of new tokens per request.
     model.generation_config.eos_token_id = None
     model.config.eos_token_id = None
     return model, tok
@@ -132,41 +178,49 @@ def matmul_rate(dev: Device, dtype: torch.dtype) -> float:
 # ---------------------------------------------------------------------------------------------- variants
 
 
-def run_generate(ctx, batch_size: int) -> dict:
+def run_generate(ctx, batch_size: int, static: bool) -> dict:
     from transformers import GenerationConfig
 
     model, prompts, new = ctx["model"], ctx["prompts"], ctx["new_tokens"]
     dev = ctx["dev"]
+    extra = {"cache_implementation": "static"} if static else {}
     cfg = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)
+                           pad_token_id=0, **extra)
+    # A static cache is compiled per shape: pad every batch to one (the workload's longest prompt, full rows).
+    width = max(map(len, prompts)) if static else None
 
     def batches(ps):
         for i in range(0, len(ps), batch_size):
             chunk = ps[i:i + batch_size]
-            L = max(len(p) for p in chunk)
-            ids = torch.zeros(len(chunk), L, dtype=torch.long)
-            mask = torch.zeros(len(chunk), L, dtype=torch.long)
+            rows = batch_size if static else len(chunk)
+            L = width or max(len(p) for p in chunk)
+            ids = torch.zeros(rows, L, dtype=torch.long)
+            mask = torch.zeros(rows, L, dtype=torch.long)
+            mask[:, -1] = 1  # filler rows (static shape only) are one pad token; their output is not counted
             for j, p in enumerate(chunk):  # left padding
                 ids[j, L - len(p):] = torch.tensor(p)
                 mask[j, L - len(p):] = 1
-            yield ids.to(dev.device), mask.to(dev.device)
+            yield ids.to(dev.device), mask.to(dev.device), len(chunk)
 
     with torch.no_grad():
-        for ids, mask in batches(prompts[:2]):  # warm-up
-            model.generate(input_ids=ids, attention_mask=mask, generation_config=GenerationConfig(
+        # warm-up: a small call; for the static cache the first batch itself (its compilation is not timed)
+        for ids, mask, _ in batches(prompts[:batch_size] if static else prompts[:2]):
+            model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg if static else GenerationConfig(
                 max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0))
         dev.sync()
         dev.reset_peak()
         t = time.perf_counter()
         tokens = steps = 0
-        for ids, mask in batches(prompts):
+        for ids, mask, real in batches(prompts):
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
-            tokens += (out.shape[1] - ids.shape[1]) * out.shape[0]
+            tokens += (out.shape[1] - ids.shape[1]) * real
             steps += out.shape[1] - ids.shape[1]
         dev.sync()
         secs = time.perf_counter() - t
     return {"tokens": tokens, "seconds": secs, "steps": steps, "peak_memory_bytes": dev.peak(),
-            "peak_reserved_bytes": dev.peak_reserved()}
+            "peak_reserved_bytes": dev.peak_reserved(),
+            "config": f"batch {batch_size}, " + (f"static cache, every batch padded to {width} tokens"
+                                                 if static else "dynamic cache")}
 
 
 def run_generate_batch(ctx, warm: bool) -> dict:
@@ -177,9 +231,8 @@ def run_generate_batch(ctx, warm: bool) -> dict:
     gen = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
     cb = ContinuousBatchingConfig(auto_switch_to_flash=False)
     with torch.no_grad():
-        if warm:
-            if not ctx.get("cb_persistent"):
-                raise RuntimeError("generate_batch-warm needs generate_batch to run first")
+        if warm and not ctx.get("cb_persistent"):
+            raise RuntimeError("generate_batch-warm needs generate_batch to run first")
         dev.sync()
         dev.reset_peak()
         t = time.perf_counter()
@@ -193,7 +246,8 @@ def run_generate_batch(ctx, warm: bool) -> dict:
     counts = [len(o.generated_tokens) for o in out.values()]
     errors = [o.error for o in out.values() if o.error]
     res = {"tokens": sum(counts), "seconds": secs, "steps": None, "peak_memory_bytes": dev.peak(),
-           "peak_reserved_bytes": dev.peak_reserved(), "requests_done": len(counts)}
+           "peak_reserved_bytes": dev.peak_reserved(), "requests_done": len(counts),
+           "config": "ContinuousBatchingConfig(auto_switch_to_flash=False), otherwise its defaults"}
     if errors:
         res["errors"] = errors[:3]
     return res
@@ -207,25 +261,43 @@ def release_cb(ctx) -> None:
         ctx["dev"].reset_peak()
 
 
+def shipped_engine(model, tokenizer, device: str) -> Engine:
+    """The engine as a worker builds it for a loaded model (worker/serving/inference.py), from the shipped
+    settings (no XPUJOBS_* variable, no .env), its graphs captured at load."""
+    from contract.settings import Settings
+
+    s = Settings(_env_file=None)
+    context = getattr(model.config, "max_position_embeddings", None)
+    engine = Engine(model, tokenizer, device=device, memory_budget_bytes=s.engine_memory_bytes,
+                    max_batch_size=s.engine_max_batch_size,
+                    max_seq_len=min(s.engine_max_seq_len, context or 1 << 30))
+    engine.warmup()
+    return engine
+
+
+def close_engine(ctx) -> None:
+    if ctx.get("engine") is not None:
+        ctx.pop("engine").close()
+        gc.collect()
+        ctx["dev"].reset_peak()
+
+
 def _engine(ctx) -> Engine:
     if ctx.get("engine") is None:
-        a = ctx["args"]
-        max_len = max(len(p) for p in ctx["prompts"]) + ctx["new_tokens"]
         t = time.perf_counter()
-        ctx["engine"] = Engine(ctx["model"], ctx["tokenizer"], device=str(ctx["dev"].device),
-                               memory_budget_bytes=int(a.engine_memory_gib * GiB), max_batch_size=a.engine_batch,
-                               max_seq_len=max_len, kernels=a.engine_kernels)
+        ctx["engine"] = shipped_engine(ctx["model"], ctx["tokenizer"], str(ctx["dev"].device))
         ctx["engine_init_seconds"] = time.perf_counter() - t
     return ctx["engine"]
 
 
-def run_engine(ctx, cold: bool) -> dict:
+def run_engine(ctx, cold: bool, eng: Engine | None = None, adapters: list[str | None] | None = None) -> dict:
     prompts, new, dev = ctx["prompts"], ctx["new_tokens"], ctx["dev"]
     dev.sync()
     dev.reset_peak()
-    eng = _engine(ctx)
+    eng = eng or _engine(ctx)
     before = dict(eng.stats)
-    reqs = [GenerationRequest(f"r{i}", p, SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True))
+    reqs = [GenerationRequest(f"r{i}", p, SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True),
+                              adapter=adapters[i % len(adapters)] if adapters else None)
             for i, p in enumerate(prompts)]
     t = time.perf_counter()
     results = eng.generate(reqs)
@@ -236,44 +308,63 @@ def run_engine(ctx, cold: bool) -> dict:
     errors = [r.error for r in results if r.error]
     res = {"tokens": sum(r.completion_tokens for r in results), "seconds": secs, "steps": steps,
            "peak_memory_bytes": dev.peak(), "peak_reserved_bytes": dev.peak_reserved(),
-           "engine_memory_peak_bytes": s["peak_memory_bytes"], "engine_budget_bytes": s["budget_bytes"],
+           "path": eng.path, "fallback_reason": s.get("fallback_reason"),
+           "engine_init_seconds": ctx.get("engine_init_seconds"),
            "mean_batch": (s["decode_rows"] - before["decode_rows"]) / max(1, steps),
            "prefill_seconds_host": s["prefill_seconds"] - before["prefill_seconds"],
-           "graph_capture_seconds": s["graph_capture_seconds"] - before["graph_capture_seconds"],
            "graphs_captured": s["graphs_captured"] - before["graphs_captured"],
            "engine_stats": {k: v for k, v in s.items() if isinstance(v, (int, float, str, type(None)))}}
     if errors:
         res["errors"] = errors[:3]
-    if not cold and dev.backend != "cpu" and eng.path == "native":
-        res["decode_step_ms_full_batch_mean_len"] = eng.benchmark_step(eng.num_slots, ctx["mean_len"]) * 1e3
-        res["decode_step_ms_full_batch_max_len"] = eng.benchmark_step(eng.num_slots, eng.max_seq_len) * 1e3
     return res
 
 
-def run_service_variant(ctx) -> dict:
-    """(d) the whole service (bench/service.py), with the engine configured as in variant (c)."""
-    from bench.service import make_run_service
+def run_engine_adapters(ctx) -> dict:
+    """The shipped engine on the model wrapped with 4 random LoRA adapters; requests cycle adapters and the base."""
+    from peft import LoraConfig, get_peft_model
 
-    a = ctx["args"]
-    max_len = max(len(p) for p in ctx["prompts"]) + ctx["new_tokens"]
-    run_service = make_run_service(a.model, ctx["dev"].backend, int(a.engine_memory_gib * GiB), a.engine_batch,
-                                   max_len)
-    if ctx.get("engine") is not None:  # the service's worker needs the device memory this process's engine holds
-        ctx.pop("engine").close()
+    close_engine(ctx)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+               "gate_up_proj", "dense", "fc1", "fc2"]
+    present = {n.rsplit(".", 1)[-1] for n, _ in ctx["model"].named_modules()}
+    cfg = LoraConfig(r=16, lora_alpha=32, target_modules=[t for t in targets if t in present],
+                     init_lora_weights=False)
+    torch.manual_seed(1)
+    names = [f"a{i}" for i in range(4)]
+    peft = get_peft_model(ctx["model"], cfg, adapter_name=names[0])
+    for name in names[1:]:
+        peft.add_adapter(name, cfg)
+    peft.eval()
+    eng = shipped_engine(peft, ctx["tokenizer"], str(ctx["dev"].device))
+    try:
+        res = run_engine(ctx, cold=False, eng=eng, adapters=[*names, None])
+    finally:
+        eng.close()
+        ctx["model"] = peft.unload()
+        gc.collect()
         ctx["dev"].reset_peak()
-    return run_service(ctx["prompts"], ctx["new_tokens"])
+    res["config"] = "4 LoRA adapters r=16 on every decoder projection; requests cycle a0..a3 and the base"
+    return res
 
 
-VARIANTS: dict[str, Callable[[dict], dict]] = {
-    "generate-bs32": lambda ctx: run_generate(ctx, 32),
-    "generate-bs128": lambda ctx: run_generate(ctx, 128),
-    "generate_batch": lambda ctx: run_generate_batch(ctx, warm=False),
-    "generate_batch-warm": lambda ctx: run_generate_batch(ctx, warm=True),
-    "engine-cold": lambda ctx: run_engine(ctx, cold=True),
-    "engine": lambda ctx: run_engine(ctx, cold=False),
-    "service": run_service_variant,
-}
-DEFAULT_VARIANTS = list(VARIANTS)
+def run_variant(name: str, ctx) -> dict:
+    if m := re.fullmatch(r"generate-(static-)?bs(\d+)", name):
+        return run_generate(ctx, int(m.group(2)), static=bool(m.group(1)))
+    if name.startswith("generate_batch"):
+        return run_generate_batch(ctx, warm=name.endswith("-warm"))
+    if name == "engine-cold":
+        close_engine(ctx)
+        return run_engine(ctx, cold=True)
+    if name == "engine":
+        return run_engine(ctx, cold=False)
+    if name == "engine-adapters":
+        return run_engine_adapters(ctx)
+    raise ValueError(f"unknown variant {name!r}")
+
+
+DEFAULT_VARIANTS = ["generate-bs32", "generate-bs64", "generate-bs128", "generate-bs256", "generate-static-bs128",
+                    "generate-static-bs256", "generate_batch", "engine-cold", "engine", "engine-adapters",
+                    "service"]
 
 
 # ------------------------------------------------------------------------------------------ correctness
@@ -355,19 +446,47 @@ def gpu_check(device: str) -> dict:
 # ------------------------------------------------------------------------------------------------- main
 
 
+def workload_numbers(name: str, args) -> dict:
+    w = dict(WORKLOADS[name])
+    for key in w:
+        if getattr(args, key) is not None:
+            w[key] = getattr(args, key)
+    return w
+
+
+def finish(r: dict, expected: int, weights: int) -> dict:
+    r["tokens_per_s"] = r["tokens"] / r["seconds"]
+    r["ms_per_step"] = r["seconds"] / r["steps"] * 1e3 if r.get("steps") else None
+    r["peak_above_weights_bytes"] = r["peak_memory_bytes"] - weights if r.get("peak_memory_bytes") else None
+    if r["tokens"] != expected:
+        r["warning"] = f"produced {r['tokens']} tokens, expected {expected}"
+    return r
+
+
+def summarize(block: dict) -> None:
+    ok = {k: v for k, v in block["variants"].items() if "tokens_per_s" in v}
+    plain = {k: v["tokens_per_s"] for k, v in ok.items() if k.startswith("generate-")}
+    if plain:
+        best = max(plain, key=plain.get)
+        block["best_plain_generate"] = {"variant": best, "tokens_per_s": plain[best]}
+        for v in ok.values():
+            v["vs_best_generate"] = v["tokens_per_s"] / plain[best]
+    if "engine" in ok and "service" in ok:
+        block["service_vs_engine"] = ok["service"]["tokens_per_s"] / ok["engine"]["tokens_per_s"]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=["tiny", "qwen3-0.6b"], default="qwen3-0.6b")
+    ap.add_argument("--model", choices=MODELS, default="qwen3-0.6b")
     ap.add_argument("--device", default="auto", help="cuda, xpu, cpu or auto")
-    ap.add_argument("--prompts", type=int, default=512)
-    ap.add_argument("--min-prompt", type=int, default=32)
-    ap.add_argument("--max-prompt", type=int, default=511)
-    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--workloads", default="current", help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    ap.add_argument("--prompts", type=int)
+    ap.add_argument("--min-prompt", type=int)
+    ap.add_argument("--max-prompt", type=int)
+    ap.add_argument("--new-tokens", type=int)
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
-    ap.add_argument("--engine-memory-gib", type=float, default=24.0, help="the engine's KV cache + workspace budget")
-    ap.add_argument("--engine-batch", type=int, default=256)
-    ap.add_argument("--engine-kernels", default="auto", choices=["auto", "torch", "triton"],
-                    help="the engine's decode attention + fused norms: triton (default on cuda/xpu) or torch ops")
+    ap.add_argument("--chats", type=int, default=0, help="live chats through the service's stack (0: none)")
+    ap.add_argument("--chat-tokens", type=int, default=128)
     ap.add_argument("--check", action="store_true", help="first compare the engine with generate on this device")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -380,13 +499,19 @@ def main(argv=None) -> int:
     if dev.mod:
         dev.mod.set_device(dev.device)
     dtype = torch.bfloat16 if dev.backend != "cpu" else torch.float32
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
 
     import transformers
 
     report: dict = {"model": args.model, "device": dev.name(), "backend": dev.backend, "dtype": str(dtype),
                     "torch": torch.__version__, "transformers": transformers.__version__,
-                    "python": platform.python_version(), "prompts": args.prompts, "new_tokens": args.new_tokens,
-                    "prompt_lengths": [args.min_prompt, args.max_prompt], "argv": sys.argv[1:], "variants": {}}
+                    "python": platform.python_version(), "argv": sys.argv[1:], "workloads": {}}
+
+    def save():
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=1, default=str))
+
     if args.check:
         t = time.perf_counter()
         report["check"] = gpu_check(str(dev.device))
@@ -395,78 +520,110 @@ def main(argv=None) -> int:
 
     model, tok = build_model(args.model, str(dev.device), dtype)
     params = sum(p.numel() for p in model.parameters())
-    vocab = model.config.vocab_size
-    prompts = make_prompts(args.prompts, args.min_prompt, args.max_prompt, vocab)
     weights = dev.allocated()
     report.update(parameters=params, weights_bytes=weights)
     gc.collect()
     gc.freeze()  # as the worker does after a model load: no full collection pauses a timed run
-    ctx = {"model": model, "tokenizer": tok, "prompts": prompts, "new_tokens": args.new_tokens, "dev": dev,
-           "args": args, "mean_len": int(sum(map(len, prompts)) / len(prompts) + args.new_tokens / 2)}
-
     rate = matmul_rate(dev, dtype)
-    flops_per_token = 2 * params
-    report["ceiling"] = {"matmul_flops_per_s": rate, "flops_per_token": flops_per_token,
-                         "tokens_per_s": rate / flops_per_token}
+    report["ceiling"] = {"matmul_flops_per_s": rate, "flops_per_token": 2 * params,
+                         "tokens_per_s": rate / (2 * params)}
     print(f"{dev.name()}: {params / 1e6:.4g}M parameters, matmul {rate / 1e12:.4g} TFLOP/s -> ceiling "
-          f"{rate / flops_per_token:,.0f} tokens/s", flush=True)
+          f"{rate / (2 * params):,.0f} tokens/s", flush=True)
 
-    expected = args.prompts * args.new_tokens
-    for name in [v.strip() for v in args.variants.split(",") if v.strip()]:
-        print(f"--- {name}", flush=True)
-        if not name.startswith("generate_batch"):
-            release_cb(ctx)
+    ctx = {"model": model, "tokenizer": tok, "dev": dev}
+    prompts_of = {}
+    for wname in workloads:
+        w = workload_numbers(wname, args)
+        prompts_of[wname] = (make_prompts(w["prompts"], w["min_prompt"], w["max_prompt"], model.config.vocab_size),
+                             w["new_tokens"])
+        block = report["workloads"][wname] = {**w, "variants": {}}
+        ctx.update(prompts=prompts_of[wname][0], new_tokens=w["new_tokens"])
+        close_engine(ctx)
+        for name in variants:
+            if name == "service":
+                continue
+            print(f"--- {wname}: {name}", flush=True)
+            if not name.startswith("generate_batch"):
+                release_cb(ctx)
+            try:
+                r = finish(run_variant(name, ctx), w["prompts"] * w["new_tokens"], weights)
+            except Exception as e:
+                traceback.print_exc()
+                r = {"error": f"{type(e).__name__}: {e}"}
+            block["variants"][name] = r
+            print(json.dumps({k: v for k, v in r.items() if k != "engine_stats"}, default=str), flush=True)
+            summarize(block)
+            save()
+        release_cb(ctx)
+        close_engine(ctx)
+
+    if "service" in variants or args.chats:
+        from bench.service import Stack, concurrency
+
+        print("--- service (shipped settings)", flush=True)
+        gc.collect()
+        dev.reset_peak()
+        stack = Stack(args.model, dev.backend)
         try:
-            r = VARIANTS[name](ctx)
-            r["tokens_per_s"] = r["tokens"] / r["seconds"]
-            r["ms_per_step"] = r["seconds"] / r["steps"] * 1e3 if r.get("steps") else None
-            r["peak_above_weights_bytes"] = r["peak_memory_bytes"] - weights if r.get("peak_memory_bytes") else None
-            if r["tokens"] != expected:
-                r["warning"] = f"produced {r['tokens']} tokens, expected {expected}"
-        except Exception as e:
-            traceback.print_exc()
-            r = {"error": f"{type(e).__name__}: {e}"}
-        report["variants"][name] = r
-        print(json.dumps({k: v for k, v in r.items() if k != "engine_stats"}, default=str), flush=True)
-        if args.out:
-            args.out.write_text(json.dumps(report, indent=1, default=str))
-    if ctx.get("engine") is not None:
-        ctx["engine"].close()
-
-    ok = {k: v for k, v in report["variants"].items() if "tokens_per_s" in v}
-    plain = [v["tokens_per_s"] for k, v in ok.items() if k.startswith("generate-bs")]
-    best_plain = max(plain) if plain else None
-    best = max((v["tokens_per_s"] for v in ok.values()), default=None)
-    report["best_plain_generate_tokens_per_s"] = best_plain
+            for wname in workloads if "service" in variants else []:
+                prompts, new = prompts_of[wname]
+                block = report["workloads"][wname]
+                try:
+                    cold = stack.batch(prompts, new)
+                    r = finish({**stack.batch(prompts, new), "cold_seconds": cold["seconds"]},
+                               len(prompts) * new, weights)
+                except Exception as e:
+                    traceback.print_exc()
+                    r = {"error": f"{type(e).__name__}: {e}"}
+                block["variants"]["service"] = r
+                print(wname, json.dumps(r, default=str), flush=True)
+                summarize(block)
+                save()
+            if args.chats:
+                try:
+                    report["chats"] = concurrency(stack, args.chats, args.chat_tokens)
+                except Exception as e:
+                    traceback.print_exc()
+                    report["chats"] = {"error": f"{type(e).__name__}: {e}"}
+                print("chats", json.dumps(report["chats"], default=str), flush=True)
+        finally:
+            stack.close()
+    best = max((v["tokens_per_s"] for b in report["workloads"].values() for v in b["variants"].values()
+                if "tokens_per_s" in v), default=None)
     if best:
         report["ceiling"]["best_fraction"] = best / report["ceiling"]["tokens_per_s"]
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1, default=str))
-    print_table(report, best_plain)
+    save()
+    for wname, block in report["workloads"].items():
+        print_table(report, wname, block)
+    if "chats" in report and "error" not in report["chats"]:
+        c = report["chats"]
+        print(f"chats: {c['requests']} x {c['new_tokens']} tokens; sequential {c['sequential_seconds']:.2f} s, "
+              f"concurrent {c['concurrent_seconds']:.2f} s = {c['speedup']:.2f}x; latency {c.get('latency')}")
     return 0
 
 
-def print_table(report: dict, best_plain: float | None) -> None:
+def print_table(report: dict, wname: str, block: dict) -> None:
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:  # plain text
         Console = Table = None
     rows = []
-    for name, v in report["variants"].items():
+    for name, v in block["variants"].items():
         if "error" in v:
             rows.append([name, "error", "", "", "", v["error"][:60]])
             continue
         above = v.get("peak_above_weights_bytes")
         rows.append([name, f"{v['tokens_per_s']:,.0f}",
-                     f"{v['tokens_per_s'] / best_plain:.2f}x" if best_plain else "",
+                     f"{v['vs_best_generate']:.2f}x" if "vs_best_generate" in v else "",
                      f"{v['peak_memory_bytes'] / GiB:.2f} ({above / GiB:.2f})" if v.get("peak_memory_bytes") else "-",
                      f"{v['ms_per_step']:.2f}" if v.get("ms_per_step") else "n/a",
                      f"{v['seconds']:.2f} s, {v['tokens']} tokens" + (f"; {v['warning']}" if "warning" in v else "")])
     head = ["variant", "output tok/s", "vs best generate", "peak GiB (above weights)", "ms/step", "notes"]
     c = report["ceiling"]
-    title = (f"{report['model']} on {report['device']} ({report['dtype']}), {report['prompts']} prompts x "
-             f"{report['new_tokens']} new tokens; torch {report['torch']}, transformers {report['transformers']}")
+    title = (f"{report['model']} on {report['device']} ({report['dtype']}), workload {wname}: {block['prompts']} "
+             f"prompts of {block['min_prompt']}-{block['max_prompt']} tokens x {block['new_tokens']} new; "
+             f"torch {report['torch']}, transformers {report['transformers']}")
     if Table is None:
         print(title)
         for r in [head] + rows:

@@ -1,12 +1,15 @@
-"""The whole service under load: a batch job through the API, the queue and a worker, and 64 concurrent chat
-completions against the same 64 sent one after another.
+"""The whole service under load, at its shipped settings: a batch job through the API, the queue and a worker, and
+N live chat completions sent one after another against the same N sent at once.
 
 The stack is started the way a user starts it (`xpu-jobs up`: embedded Redis, the API, one worker per device)
-on a model directory written here with random weights, so nothing is downloaded. `make_run_service` gives
-the variant "service" of bench/generation.py (same prompts, same output length as the other variants); run on its own,
-this script also measures the concurrency ratio:
+on a model directory written here with random weights, so nothing is downloaded, and with no engine setting
+changed. bench/generation.py runs its variant "service" and its `--chats` on this stack; run on its own, this
+script measures the chats:
 
-    python -m bench.service --model qwen3-0.6b --out service.json
+    python -m bench.service --model qwen3-0.6b --requests 64 --out service.json
+
+Chats stream where the API accepts `stream: true` (server-sent events): each one then gives its time to the first
+token (TTFT) and its mean time per output token after that (TPOT); otherwise only its whole latency.
 """
 
 import argparse
@@ -24,13 +27,11 @@ import httpx
 
 from worker.node.redis_server import free_port
 
-MODEL_NAME = {"tiny": "bench-tiny", "qwen3-0.6b": "bench-qwen3-0.6b"}
-
 
 def write_model(name: str, root: Path) -> Path:
-    """A model directory the worker can load: the demo model, or Qwen3-0.6B's architecture with random bf16
-    weights and a word-level tokenizer over its whole vocabulary (prompts are token ids)."""
-    directory = root / MODEL_NAME[name]
+    """A model directory the worker can load: the demo model, or one of bench/generation.py's architectures with
+    random bf16 weights and a word-level tokenizer over its whole vocabulary (prompts are token ids)."""
+    directory = root / f"bench-{name}"
     if name == "tiny":
         from worker.demo_model import build_demo_model
 
@@ -39,10 +40,10 @@ def write_model(name: str, root: Path) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from bench.generation import qwen3_06b_config
+    from bench.generation import CONFIGS
     from worker.demo_model import CHAT_TEMPLATE, SPECIAL_TOKENS
 
-    config = qwen3_06b_config()
+    config = CONFIGS[name]()
     vocab = {f"<t{i}>": i for i in range(config.vocab_size - len(SPECIAL_TOKENS))}
     vocab.update({tok: len(vocab) + i for i, tok in enumerate(SPECIAL_TOKENS)})
     raw = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<t0>"))
@@ -58,27 +59,28 @@ def write_model(name: str, root: Path) -> Path:
 
 
 class Stack:
-    """`xpu-jobs up` in a temporary directory, serving one model."""
+    """`xpu-jobs up` in a temporary directory, serving one model, at the shipped settings plus `env` (a tuned run
+    names what it changes there)."""
 
-    def __init__(self, model: str, backend: str, engine_memory_bytes: int, engine_batch: int, max_seq_len: int):
+    def __init__(self, model: str, backend: str, env: dict[str, str] | None = None):
         self.dir = Path(tempfile.mkdtemp(prefix="xpujobs-bench-"))
-        self.model = MODEL_NAME[model]
-        write_model(model, self.dir / "models")
+        self.model = write_model(model, self.dir / "models").name
         port, self.redis_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{port}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("XPUJOBS_")}
-        env.update({
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("XPUJOBS_")}
+        environ.update({
             "XPUJOBS_MODELS_ROOT": str(self.dir / "models"), "XPUJOBS_ARTIFACT_ROOT": str(self.dir / "artifacts"),
             "XPUJOBS_BASE_MODELS": json.dumps([self.model]), "XPUJOBS_OPEN_MODE": "true",
-            "XPUJOBS_DEVICE_BACKEND": backend, "XPUJOBS_ENGINE_MEMORY_BYTES": str(engine_memory_bytes),
-            "XPUJOBS_ENGINE_MAX_BATCH_SIZE": str(engine_batch), "XPUJOBS_ENGINE_MAX_SEQ_LEN": str(max_seq_len),
-            "XPUJOBS_WORKER_CONCURRENCY": "96", "XPUJOBS_REQUEST_TIMEOUT_SECONDS": "900",
+            "XPUJOBS_DEVICE_BACKEND": backend, "XPUJOBS_REQUEST_TIMEOUT_SECONDS": "900",
             "XPUJOBS_HEARTBEAT_SECONDS": "1",  # fresh engine counters in the registry (batch_phases)
+            **(env or {}),
         })
+        self.env = env or {}
+        self.streams: bool | None = None  # learnt from the first chat
         self.log = (self.dir / "stack.log").open("wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "up", "--port", str(port),
                                       "--redis-port", str(self.redis_port), "--data-dir", str(self.dir)],
-                                     env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+                                     env=environ, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.http = httpx.Client(base_url=self.url + "/v1", timeout=900)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -163,52 +165,83 @@ class Stack:
                 **{f"{name}_s": [round(min(v), 3), round(max(v), 3)] for name, v in moments.items() if v},
                 "engine": engine, "num_slots": after.get("num_slots")}
 
-    def chat(self, content: str, new_tokens: int) -> int:
-        reply = self.http.post("/chat/completions", json={
-            "model": self.model, "messages": [{"role": "user", "content": content}], "max_tokens": new_tokens,
-            "temperature": 0, "ignore_eos": True})
+    def chat(self, content: str, new_tokens: int) -> dict:
+        """One chat completion: its tokens and latency, and where the API streams, its time to the first token and
+        mean time per output token after it."""
+        body = {"model": self.model, "messages": [{"role": "user", "content": content}], "max_tokens": new_tokens,
+                "temperature": 0, "ignore_eos": True}
+        t = time.perf_counter()
+        if self.streams is not False:
+            for extra in ({"stream": True, "stream_options": {"include_usage": True}}, {"stream": True}):
+                with self.http.stream("POST", "/chat/completions", json={**body, **extra}) as reply:
+                    if reply.status_code in (400, 422):
+                        reply.read()
+                        continue
+                    reply.raise_for_status()
+                    self.streams = True
+                    return self._read_stream(reply, t)
+            self.streams = False
+        reply = self.http.post("/chat/completions", json=body)
         reply.raise_for_status()
-        return reply.json()["usage"]["completion_tokens"]
+        return {"tokens": reply.json()["usage"]["completion_tokens"], "latency": time.perf_counter() - t}
+
+    @staticmethod
+    def _read_stream(reply, t: float) -> dict:
+        moments, tokens, pieces = [], None, 0
+        for line in reply.iter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                moments.append(time.perf_counter())
+                pieces += 1
+        tokens = tokens if tokens is not None else pieces
+        out = {"tokens": tokens, "latency": time.perf_counter() - t}
+        if moments:
+            out["ttft"] = moments[0] - t
+            if tokens > 1:
+                out["tpot"] = (moments[-1] - moments[0]) / (tokens - 1)
+        return out
 
 
-def make_run_service(model: str, backend: str, engine_memory_bytes: int, engine_batch: int, max_seq_len: int):
-    """bench/generation.py's variant (d): the same prompts as one batch job through the whole service, with the
-    engine configured as in variant (c). The same batch runs once first to load the model and capture the engine's
-    graphs, as the engine variant's cold run does for it."""
-
-    def run_service(prompts: list[list[int]], new_tokens: int) -> dict:
-        stack = Stack(model, backend, engine_memory_bytes, engine_batch, max_seq_len)
-        try:
-            cold = stack.batch(prompts, new_tokens)
-            return {**stack.batch(prompts, new_tokens), "cold_seconds": cold["seconds"]}
-        finally:
-            stack.close()
-
-    return run_service
+def percentiles(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return {"p50": values[len(values) // 2], "p99": values[min(len(values) - 1, round(0.99 * (len(values) - 1)))]}
 
 
 def concurrency(stack: Stack, n: int, new_tokens: int) -> dict:
-    contents = [" ".join(f"<t{10 + (i * 7 + j) % 500}>" for j in range(24)) if "qwen" in stack.model
+    """n chats one after another, then the same n at once; latency, TTFT and TPOT percentiles for each."""
+    contents = [" ".join(f"<t{10 + (i * 7 + j) % 500}>" for j in range(24)) if stack.model != "bench-tiny"
                 else f"Count to {i}." for i in range(n)]
     stack.chat(contents[0], new_tokens)  # warm-up: model load and graph capture
     t = time.perf_counter()
-    sequential = sum(stack.chat(c, new_tokens) for c in contents)
+    sequential = [stack.chat(c, new_tokens) for c in contents]
     sequential_s = time.perf_counter() - t
     sent: list[float] = []
 
-    def send(content: str) -> int:
+    def send(content: str) -> dict:
         sent.append(time.time())
         return stack.chat(content, new_tokens)
 
     t = time.perf_counter()
     wall = time.time()
     with ThreadPoolExecutor(n) as pool:
-        concurrent = sum(pool.map(send, contents))
+        concurrent = list(pool.map(send, contents))
     concurrent_s = time.perf_counter() - t
-    return {"requests": n, "new_tokens": new_tokens, "sequential_seconds": sequential_s,
-            "concurrent_seconds": concurrent_s, "sequential_tokens": sequential, "concurrent_tokens": concurrent,
-            "speedup": sequential_s / concurrent_s, "concurrent_phases": {"send_spread_seconds": max(sent) - min(sent),
-                                                       **phases(stack, since=wall)}}
+
+    def latency(replies: list[dict]) -> dict:
+        return {key: percentiles([r[key] for r in replies if key in r]) for key in ("latency", "ttft", "tpot")}
+
+    return {"requests": n, "new_tokens": new_tokens, "streamed": bool(stack.streams),
+            "sequential_seconds": sequential_s, "concurrent_seconds": concurrent_s,
+            "sequential_tokens": sum(r["tokens"] for r in sequential),
+            "concurrent_tokens": sum(r["tokens"] for r in concurrent), "speedup": sequential_s / concurrent_s,
+            "latency": {"sequential": latency(sequential), "concurrent": latency(concurrent)},
+            "concurrent_phases": {"send_spread_seconds": max(sent) - min(sent), **phases(stack, since=wall)}}
 
 
 def phases(stack: Stack, since: float) -> dict:
@@ -235,11 +268,10 @@ def phases(stack: Stack, since: float) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=list(MODEL_NAME), default="tiny")
+    ap.add_argument("--model", default="tiny", help="tiny, qwen3-0.6b, phi3-0.6b or phi2-0.6b")
     ap.add_argument("--backend", default="auto", help="cuda, xpu, cpu or auto")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--engine-memory-gib", type=float, default=24.0)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     backend = args.backend
@@ -247,7 +279,7 @@ def main(argv=None) -> int:
         from worker.node.devices import probe_backend
 
         backend = probe_backend()[0]
-    stack = Stack(args.model, backend, int(args.engine_memory_gib * (1 << 30)), 256, 1024)
+    stack = Stack(args.model, backend)
     try:
         result = {"model": args.model, "backend": backend, **concurrency(stack, args.requests, args.new_tokens)}
     finally:
