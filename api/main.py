@@ -5,7 +5,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from api import errors
+from api import errors, metrics
 from api.routes import batches, chat, files, fine_tuning, models, responses, workers
 from contract.queues import make_celery
 from contract.records import RecordStore
@@ -39,6 +39,8 @@ def create_app(settings: Settings | None = None) -> errors.DeclaredBodyLimit:
     body_limit = settings.max_upload_bytes + 1024 * 1024
     app = FastAPI(title="xpu-jobs", version="0.1.0", lifespan=lifespan, max_body_size=body_limit)
     errors.install(app)
+    metrics.install(app)
+    app.add_middleware(metrics.RequestMetrics)
     for module in (files, fine_tuning, batches, responses, chat, models, workers):
         app.include_router(module.router)
 

@@ -61,6 +61,14 @@ def read_all(client: redis.Redis, job_id: str) -> list[dict]:
     return [_to_event(e, f) for e, f in client.xrange(stream_key(job_id))]
 
 
+def latest_of_type(client: redis.Redis, job_id: str, type_: str, scan: int = 50) -> dict | None:
+    """The newest event of one type among the job's last `scan` events (None if there is none)."""
+    for entry, fields in client.xrevrange(stream_key(job_id), count=scan):
+        if fields.get("type") == type_:
+            return _to_event(entry, fields)
+    return None
+
+
 def _cancel_key(job_id: str) -> str:
     return f"cancel:{job_id}"
 

@@ -58,6 +58,12 @@ class Settings(BaseSettings):
     # Batch inference: lines per chunk that one worker task runs.
     batch_chunk_lines: int = 64
 
+    # Port of a worker node's Prometheus endpoint (/metrics); 0 = any free port. The node publishes the one it
+    # bound in /v1/workers (metrics_port). Several device groups under one launcher take port, port+1, ...
+    worker_metrics_port: int = 0
+    # A bearer token the API's /metrics asks for (it shows every tenant's running jobs); empty: no token.
+    metrics_key: str = ""
+
     def ensure_dirs(self) -> None:
         self.artifact_root.mkdir(parents=True, exist_ok=True)
         self.models_root.mkdir(parents=True, exist_ok=True)

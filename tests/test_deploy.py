@@ -414,3 +414,14 @@ def test_build_context_holds_what_the_dockerfiles_copy_and_nothing_private():
                 assert (ROOT / source).exists(), f"{dockerfile}: no {source}"
     for private in (".env", ".venv/bin/python", ".git/config", "data/artifacts/x", "tests/test_deploy.py"):
         assert not _dockerignore_includes(private), private
+
+
+def test_prometheus_scrapes_the_api_and_every_worker_and_the_dashboard_uses_real_metrics():
+    prometheus = yaml.safe_load((ROOT / "deploy/prometheus.yml").read_text())
+    targets = {t for job in prometheus["scrape_configs"] for c in job["static_configs"] for t in c["targets"]}
+    port = environment(next(iter(WORKERS.values())))["XPUJOBS_WORKER_METRICS_PORT"]
+    assert {"api:8000", *(f"{name}:{port}" for name in WORKERS)} <= targets
+    exported = (ROOT / "api/metrics.py").read_text() + (ROOT / "worker/node/metrics.py").read_text()
+    dashboard = (ROOT / "deploy/grafana/xpu-jobs-dashboard.json").read_text()
+    used = {re.sub(r"_(bucket|count|sum)$", "", m) for m in re.findall(r"xpujobs_\w+", dashboard)}
+    assert used and all(f'"{name}' in exported for name in used), sorted(used)

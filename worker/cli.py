@@ -74,10 +74,12 @@ def worker_commands(args: argparse.Namespace, environ: dict[str, str]) -> list[t
     groups = args.devices or [None]
     concurrency = args.concurrency or settings.worker_concurrency
     commands = []
-    for devices in groups:
+    for number, devices in enumerate(groups):
         pinning = pinned_environment(backend, devices, environ)
         node = _node_name(args.name, pinning.get(MASK_VARIABLE.get(backend, "")), len(groups) > 1)
         env = {**environ, **pinning, "XPUJOBS_DEVICE_BACKEND": backend, "XPUJOBS_NODE_NAME": node}
+        if settings.worker_metrics_port:  # one port per node of this host
+            env["XPUJOBS_WORKER_METRICS_PORT"] = str(settings.worker_metrics_port + number)
         queues = f"{backend_queue(backend)},{node_queue(node)}"
         argv = [sys.executable, "-m", "celery", "-A", "worker.node.app", "worker", "-P", "threads",
                 "-c", str(concurrency), "-n", node, "-Q", queues, "-E", "--without-mingle",
@@ -122,10 +124,21 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_api(args: argparse.Namespace) -> int:
+    import tempfile
+
     import uvicorn
 
     from contract.settings import Settings
 
+    # The API processes count their requests in files here, summed at each scrape of /metrics. Files of a
+    # previous run would add to this one's counters: start from an empty directory.
+    metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if metrics_dir:
+        Path(metrics_dir).mkdir(parents=True, exist_ok=True)
+        for stale in Path(metrics_dir).glob("*.db"):
+            stale.unlink()
+    else:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="xpujobs-api-metrics-")
     uvicorn.run("api.main:create_app", factory=True, host=args.host, port=args.port, log_level="info",
                 workers=args.workers or Settings().api_workers)
     return 0

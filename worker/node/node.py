@@ -29,6 +29,7 @@ class Node:
         # Set when the node begins its warm shutdown: running fine-tunes checkpoint, stop and go back on a queue.
         self.stopping = threading.Event()
         self._lock = threading.Lock()
+        self.metrics_port: int | None = None  # set once its Prometheus endpoint listens
 
     def info(self) -> dict:
         with self._lock:
@@ -39,7 +40,7 @@ class Node:
             "devices": [{**d, "free_memory": f} for d, f in zip(self.devices, free)],
             "bf16": all(d["bf16"] for d in self.devices),
             "current_jobs": jobs, "current_job": jobs[0] if jobs else None, "pid": os.getpid(),
-            "started_at": self.started_at,
+            "started_at": self.started_at, "metrics_port": self.metrics_port,
         } | {k: v for report in self.reporters for k, v in report().items()}
 
     def claim(self, kind: str, record_id: str, fields: dict) -> bool:
@@ -67,6 +68,9 @@ class Node:
         registry.register(self.redis, self.name, self.info(), self.settings.lease_seconds)
 
     def start(self) -> None:
+        from worker.node import metrics
+
+        self.metrics_port = metrics.serve(self.settings.worker_metrics_port)
         self.heartbeat()
         threading.Thread(target=self._beat, name="xpujobs-heartbeat", daemon=True).start()
 

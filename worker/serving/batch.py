@@ -17,6 +17,7 @@ from contract import batches, events
 from contract.inference_outputs import BUILDERS, response
 from contract.inference_requests import BODY_SCHEMAS
 from contract.records import new_id, now
+from worker.node import metrics
 from worker.node.node import Node
 from worker.serving.inference import EngineProcessExited, RequestFailed, cancel_watch_for, host_for, outcome, prepare
 
@@ -77,6 +78,7 @@ def run_chunk(node: Node, chunk_id: str) -> None:
         results[position] = _error_line(custom_id, code, message)
         failed_positions.add(position)
         progress["failed"] += 1
+        metrics.observe("batch_line", "failed")
 
     finished: queue.SimpleQueue[int] = queue.SimpleQueue()  # positions, put by the engine as each one ends
 
@@ -158,6 +160,7 @@ def run_chunk(node: Node, chunk_id: str) -> None:
                                      "response": {"status_code": 200, "request_id": line.request_id,
                                                   "body": _body(endpoint, line.request_id, line.request["model"],
                                                                 done, line.request)}}
+                metrics.observe("batch_line", "completed", done)
                 progress.update(completed=1, input_tokens=done["prompt_tokens"],
                                 output_tokens=done["completion_tokens"])
             if lost:

@@ -21,7 +21,7 @@ from contract.records import now
 from contract.settings import Settings
 from worker.engine.engine import Engine, GenerationRequest, GenerationResult, SamplingParams
 from worker.models import ModelLoadError, load_model_and_tokenizer, load_tokenizer
-from worker.node import devices
+from worker.node import devices, metrics
 from worker.node.node import Node
 
 if TYPE_CHECKING:
@@ -326,6 +326,7 @@ def run_request(node: Node, kind: str, record_id: str) -> None:
     except Exception as exc:  # one bad request must not take the node down
         fields = {"status": "failed", "error": {"code": "server_error", "message": f"{type(exc).__name__}: {exc}"}}
     fields.update(completed_at=now(), timings=timings)
+    metrics.observe(kind, fields["status"], fields.get("result"), timings)
     store.transition(kind, record_id, ["in_progress"], fields)
     store.untrack(kind, record_id)
     node.job_finished(record_id)

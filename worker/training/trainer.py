@@ -103,6 +103,7 @@ def make_callback(job: dict, store: RecordStore):
             self.started = time.monotonic()
             self.first_step = None
             self.metrics: list[dict] = []
+            self.last_log: tuple[float, int, int] | None = None  # (time, step, tokens seen) at the previous log
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.first_step = state.global_step
@@ -123,6 +124,13 @@ def make_callback(job: dict, store: RecordStore):
             data = {"step": state.global_step, "total_steps": state.max_steps, "train_loss": logs["loss"],
                     "learning_rate": logs.get("learning_rate"), "epoch": logs.get("epoch"),
                     "estimated_finish": eta}
+            # Speed since the previous log (for /metrics and the progress views).
+            clock, tokens = time.monotonic(), int(state.num_input_tokens_seen or 0)
+            if self.last_log and clock > self.last_log[0]:
+                elapsed = clock - self.last_log[0]
+                data["steps_per_second"] = (state.global_step - self.last_log[1]) / elapsed
+                data["tokens_per_second"] = (tokens - self.last_log[2]) / elapsed
+            self.last_log = (clock, state.global_step, tokens)
             self.metrics.append(data)
             store.update("ftjob", job_id, {"estimated_finish": eta})
             events.emit(redis, job_id, f"Step {state.global_step}/{state.max_steps}: training loss={logs['loss']:.4f}",
@@ -201,6 +209,7 @@ def train(job: dict, store: RecordStore, settings: Settings, backend: str) -> di
         bf16=use_bf16, use_cpu=backend == "cpu", seed=job["seed"], data_seed=job["seed"], report_to=[],
         ddp_backend=devices.DISTRIBUTED_BACKEND[backend] if int(os.environ.get("WORLD_SIZE", 1)) > 1 else None,
         disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0, save_only_model=False,
+        include_num_input_tokens_seen="non_padding",  # tokens/s in the metrics events
     )
     callback = make_callback(job, store)
     trainer = Trainer(model=model, args=args, train_dataset=train_rows, eval_dataset=eval_rows,
