@@ -3,20 +3,20 @@
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
-# xpu, cuda or cpu: the torch build this host needs (deploy/torch_backend.py looks at its GPUs); set it to override.
-TORCH_BACKEND ?= $(shell $(PYTHON) deploy/torch_backend.py)
+# xpu, cuda or cpu: the torch build this host needs (worker/hardware.py looks at its GPUs); set it to override.
+TORCH_BACKEND ?= $(shell $(PYTHON) worker/hardware.py)
 # The Hub kernels (flash_attention_2, use_kernels) exist only for GPUs.
 comma := ,
 EXTRAS = api,worker,test$(if $(filter cpu,$(TORCH_BACKEND)),,$(comma)kernels)
 
-$(STAMP): pyproject.toml deploy/torch_backend.py
+$(STAMP): pyproject.toml worker/hardware.py
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	@$(PYTHON) deploy/torch_backend.py --explain $(TORCH_BACKEND)
+	@$(PYTHON) worker/hardware.py --explain $(TORCH_BACKEND)
 	# torch first, pinned, from the wheel index of the host's backend (PyPI's plain build is the CUDA one).
-	$(VENV)/bin/pip install -q "torch==2.13.0" $$($(PYTHON) deploy/torch_backend.py --pip-args $(TORCH_BACKEND))
+	$(VENV)/bin/pip install -q "torch==2.13.0" $$($(PYTHON) worker/hardware.py --pip-args $(TORCH_BACKEND))
 	$(VENV)/bin/pip install -q -e ".[$(EXTRAS)]"
-	$(VENV)/bin/python deploy/torch_backend.py --verify $(TORCH_BACKEND)
+	$(VENV)/bin/python worker/hardware.py --verify $(TORCH_BACKEND)
 	touch $(STAMP)
 
 .PHONY: up test test-slow

@@ -52,6 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("devices", help="print what torch sees in this environment (backend, devices, bf16)")
 
+    dr = sub.add_parser("doctor", help="check that this host or container can run workers: driver, torch, "
+                                       "pinning, kernels, Triton, bitsandbytes, collectives")
+    dr.add_argument("--backend", choices=["auto", "xpu", "cuda", "cpu"], default=None)
+    dr.add_argument("--devices", metavar="IDS", help="the device group to check pinning for, e.g. 0,1")
+    dr.add_argument("--json", action="store_true", help="the checks as JSON")
+    dr.add_argument("--versions", action="store_true",
+                    help="only import the job libraries and print their versions (the image's build check)")
+
     h = sub.add_parser("health", help="exit 0 when the API answers or the named worker node is registered")
     target = h.add_mutually_exclusive_group(required=True)
     target.add_argument("--api", metavar="URL", help="e.g. http://127.0.0.1:8000")
@@ -199,6 +207,17 @@ def cmd_devices(_args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from contract.settings import Settings
+    from worker import doctor
+
+    preference = args.backend or Settings().device_backend
+    if args.versions:
+        return doctor.print_versions(gpu=preference != "cpu")
+    backend = preference if preference != "auto" else probe_backend("auto")[0]
+    return doctor.report(doctor.run_checks(backend, args.devices), args.json)
+
+
 def cmd_health(args: argparse.Namespace) -> int:
     if args.api:
         import httpx
@@ -216,7 +235,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"worker": cmd_worker, "api": cmd_api, "up": cmd_up, "demo-model": cmd_demo_model,
-            "devices": cmd_devices, "health": cmd_health}
+            "devices": cmd_devices, "doctor": cmd_doctor, "health": cmd_health}
 
 
 def main(argv: list[str] | None = None) -> int:

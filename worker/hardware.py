@@ -1,10 +1,10 @@
-"""Which torch build this host needs, for `make up` and `make test` (standard library only: it runs before
-any virtual environment exists).
+"""Which torch build this host needs, for `make up` and `make test`, and which GPUs it has, for `xpu-jobs
+doctor` (standard library only: make runs it as a script before any virtual environment exists).
 
-    python3 deploy/torch_backend.py                 # prints xpu, cuda or cpu (TORCH_BACKEND overrides)
-    python3 deploy/torch_backend.py --explain cpu   # one line saying what was picked and why
-    python3 deploy/torch_backend.py --pip-args xpu  # the pip arguments that install that build
-    python3 deploy/torch_backend.py --verify xpu    # after the install: is the torch in the venv that build?
+    python3 worker/hardware.py                 # prints xpu, cuda or cpu (TORCH_BACKEND overrides)
+    python3 worker/hardware.py --explain cpu   # one line saying what was picked and why
+    python3 worker/hardware.py --pip-args xpu  # the pip arguments that install that build
+    python3 worker/hardware.py --verify xpu    # after the install: is the torch in the venv that build?
 
 An Intel GPU gets torch from PyTorch's XPU wheel index, added as an extra index as the guide installs it
 (otherwise pip takes PyPI's CUDA build and the stack quietly runs on the CPU). An NVIDIA GPU gets PyPI's default
