@@ -114,7 +114,7 @@ def start_worker(stack_env, stack_dir, redis_client):
     def start(name: str) -> WorkerNode:
         node = WorkerNode(stack_env, name, stack_dir)
         started.append(node)
-        _wait(lambda: node.registered(redis_client) or node.proc.poll() is not None, 90, f"worker {name}")
+        _wait(lambda: node.registered(redis_client) or node.proc.poll() is not None, 240, f"worker {name}")
         assert node.proc.poll() is None, (stack_dir / f"{name}.log").read_text()
         return node
 
@@ -143,7 +143,7 @@ def api_url(stack_env, stack_dir, workers):
         except httpx.HTTPError:
             return False
 
-    _wait(healthy, 60, "the API")
+    _wait(healthy, 240, "the API")  # generous: CI and shared machines are slow to import
     yield url
     proc.terminate()
     proc.wait(10)
