@@ -18,6 +18,10 @@ class Settings(BaseSettings):
     # Base models users may name: a Hub id or a directory under models_root.
     base_models: list[str] = ["demo-tiny"]
     trust_remote_code: bool = False
+    # use_kernels: which Hub kernel replaces which layer, per device type, as a KernelConfig mapping, e.g.
+    # {"RMSNorm": {"xpu": "kernels-community/rmsnorm:RMSNorm", "cuda": "kernels-community/rmsnorm:RMSNorm"}}.
+    # Empty: transformers' own mapping, which has an "xpu" entry for each layer it swaps.
+    kernel_mapping: dict[str, str | dict[str, str]] = {}
 
     # API key -> tenant. Without keys the API refuses every call unless open_mode is set.
     api_keys: dict[str, str] = {}

@@ -1,5 +1,6 @@
 """Model placement: the weights' size is known from the config alone, before anything is loaded."""
 
+import pytest
 import torch
 
 from contract.settings import Settings
@@ -14,3 +15,16 @@ def test_model_bytes_from_the_config_match_the_loaded_weights(tmp_path):
     loaded = sum(p.numel() * p.element_size() for p in model.parameters())
     assert model_bytes("demo-tiny", settings, torch.float32) == loaded
     assert model_bytes("demo-tiny", settings, torch.bfloat16) == loaded // 2
+
+
+def test_use_kernels_takes_the_configured_per_device_mapping():
+    from transformers import KernelConfig
+
+    from worker.models import ModelLoadError, kernel_config
+
+    assert kernel_config(Settings(), "xpu") is None  # transformers' own mapping, xpu entries included
+    mapping = {"RMSNorm": {"xpu": "kernels-community/rmsnorm:RMSNorm", "cuda": "kernels-community/rmsnorm:RMSNorm"}}
+    config = kernel_config(Settings(kernel_mapping=mapping), "xpu")
+    assert isinstance(config, KernelConfig) and config.kernel_mapping == mapping
+    with pytest.raises(ModelLoadError, match="no 'xpu' kernel for RMSNorm"):
+        kernel_config(Settings(kernel_mapping={"RMSNorm": {"cuda": "kernels-community/rmsnorm:RMSNorm"}}), "xpu")

@@ -67,6 +67,21 @@ def inference_placement(name: str, settings: Settings, backend: str, dtype, quan
     return one_device if need * PLACEMENT_HEADROOM <= visible[0]["free_memory"] else "auto"
 
 
+def kernel_config(settings: Settings, backend: str):
+    """The KernelConfig for use_kernels: the configured per-device mapping (the "xpu" key on Intel GPUs, as
+    the guide chooses kernels), or None for transformers' own mapping. A mapping with no entry for this device
+    would swap nothing here: that is refused rather than run silently without kernels."""
+    if not settings.kernel_mapping:
+        return None
+    from transformers import KernelConfig
+
+    for layer, kernel in settings.kernel_mapping.items():
+        if isinstance(kernel, dict) and backend not in kernel:
+            raise ModelLoadError("kernels_unavailable", f"XPUJOBS_KERNEL_MAPPING has no '{backend}' kernel for "
+                                                        f"{layer} (it has {', '.join(sorted(kernel))})")
+    return KernelConfig(settings.kernel_mapping)
+
+
 def load_model_and_tokenizer(name: str, settings: Settings, backend: str, *, attn_implementation: str = "sdpa",
                              quantization: str = "none", use_kernels: bool = False, for_training: bool = False):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -79,6 +94,7 @@ def load_model_and_tokenizer(name: str, settings: Settings, backend: str, *, att
               "trust_remote_code": settings.trust_remote_code}
     if use_kernels:
         kwargs["use_kernels"] = True
+        kwargs["kernel_config"] = kernel_config(settings, backend)
     if quantization == "4bit":
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
