@@ -58,7 +58,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker.engine.engine import Engine, GenerationRequest, SamplingParams  # noqa: E402
+from worker.engine.engine import Engine  # noqa: E402
+from worker.engine.requests import GenerationRequest, SamplingParams  # noqa: E402
 
 GiB = 1 << 30
 WORKLOADS = {"current": dict(prompts=512, min_prompt=32, max_prompt=511, new_tokens=128),

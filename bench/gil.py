@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from bench.generation import GiB, build_model, make_prompts
-from worker.engine.engine import Engine, GenerationRequest, SamplingParams
+from worker.engine.engine import Engine
+from worker.engine.requests import GenerationRequest, SamplingParams
 
 # (ms holding the GIL, ms asleep) for each competing thread
 LOADS = ((1.0, 4.0), (0.2, 1.0))

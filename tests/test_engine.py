@@ -1,4 +1,4 @@
-"""worker/engine/engine.py on CPU with the tiny demo model (fp32): same tokens as greedy `generate`, per-request LoRA in
+"""worker/engine on CPU with the tiny demo model (fp32): same tokens as greedy `generate`, per-request LoRA in
 one batch, sampling, stop strings, errors, cancellation, concurrent submission, model swaps, memory budget."""
 
 import random
@@ -8,7 +8,9 @@ import time
 import pytest
 import torch
 
-from worker.engine.engine import Engine, GenerationRequest, SamplingParams, _mix32, _mix32_py, _mul32, sample_tokens
+from worker.engine.engine import Engine
+from worker.engine.requests import GenerationRequest, SamplingParams
+from worker.engine.sampling import _mix32, _mix32_py, _mul32, sample_tokens
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -208,6 +210,30 @@ def test_stop_string_truncates_text(model, tokenizer):
     assert res.output_ids == full.output_ids[:len(res.output_ids)] and len(res.output_ids) < 30
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "hf-fallback"])
+def test_streaming_deltas_add_up_to_the_result(model, tokenizer, native):
+    p = prompts(1, seed=5, lo=10, hi=11)[0]
+    with Engine(model, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=4, max_seq_len=128,
+                native=native) as eng:
+        full = eng.generate([greedy(p, 0, new=20, ignore_eos=True)])[0]
+        stop = full.text[8:11]
+        results = {}
+        for name, stops in (("plain", []), ("stop", [stop])):
+            req = greedy(p, name, new=20, ignore_eos=True, stop=stops)
+            req.stream = True
+            deltas = []
+            results[name] = eng.submit(req, on_delta=deltas.append).result(timeout=60), deltas
+    res, deltas = results["plain"]
+    assert res.output_ids == full.output_ids and len(deltas) >= 10  # one per step, not one at the end
+    assert all(d.request_id == "plain" for d in deltas)
+    assert [t for d in deltas for t in d.token_ids] == res.output_ids
+    assert "".join(d.text for d in deltas) == res.text
+    res, deltas = results["stop"]
+    assert res.finish_reason == "stop" and res.text == full.text[:full.text.find(stop)]
+    assert [t for d in deltas for t in d.token_ids] == res.output_ids
+    assert "".join(d.text for d in deltas) == res.text  # a stop string's start is never sent
+
+
 def test_bad_requests_fail_alone(model, tokenizer):
     ok = prompts(1, seed=6)[0]
     with Engine(model, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=4, max_seq_len=64) as eng:
@@ -293,7 +319,7 @@ def test_closed_engine_refuses(model, tokenizer):
 def test_model_spread_over_devices_uses_the_models_own_forward(tiny_dir):
     """device_map='auto' over a worker's devices: the native path reads weights from one device, so it stands
     aside for the model's forward, which moves activations between devices itself."""
-    from worker.engine.engine import native_unsupported_reason
+    from worker.engine.model_runner import native_unsupported_reason
 
     model = load(tiny_dir)
     assert native_unsupported_reason(model) is None

@@ -1,4 +1,4 @@
-"""Decode attention as one Triton kernel, for worker/engine/engine.py on cuda and xpu.
+"""Decode attention as one Triton kernel, for the engine (model_runner.py) on cuda and xpu.
 
 Each program handles one (request row, KV head) pair and walks only that row's own cache length, with an online
 softmax (flash-decoding without splits). The query heads that share a KV head (GQA) are packed into the rows of one

@@ -35,7 +35,8 @@ def _start_node(**_):
         sys.stdout.flush()
         os._exit(78)  # EX_CONFIG: a misconfigured node must not sit on the queue doing nothing
     _state["node"].start()
-    from worker.serving.inference import freeze_heap, host_for
+    from worker.engine.model_cache import freeze_heap
+    from worker.serving.inference import host_for
 
     host_for(_state["node"]).start()  # the engine process imports torch and the model libraries meanwhile
     freeze_heap()  # after the imports

@@ -17,9 +17,11 @@ from contract import batches, events
 from contract.inference_outputs import BUILDERS, response
 from contract.inference_requests import BODY_SCHEMAS
 from contract.records import new_id, now
+from worker.engine.messages import Submission
+from worker.engine.requests import EngineProcessExited, RequestFailed
 from worker.node import metrics
 from worker.node.node import Node
-from worker.serving.inference import EngineProcessExited, RequestFailed, cancel_watch_for, host_for, outcome, prepare
+from worker.serving.inference import cancel_watch_for, host_for, outcome, prepare
 
 POLL_SECONDS = 0.2
 # Lines handed to the engine process per message: one message per line costs the engine's GIL more, and a whole
@@ -35,13 +37,13 @@ class _Running(NamedTuple):
     custom_id: str | None
     number: int  # in the input file
     request: dict
-    arguments: tuple  # EngineHost.generate's, from inference.prepare; the first is the request id
+    arguments: Submission  # EngineHost.generate's, from inference.prepare
     future: Future | None = None  # set when handed to the engine process
     attempts: int = 0
 
     @property
     def request_id(self) -> str:
-        return self.arguments[0]
+        return self.arguments.request_id
 
 
 def _error_line(custom_id: str | None, code: str, message: str) -> dict:

@@ -4,13 +4,18 @@ The engine's host loop is Python: it needs the GIL between device calls. In the 
 GIL with Celery's consumer, the request threads and the heartbeat, and every moment one of them holds it, the
 device waits (bench/gil.py: on an H200, two threads holding the GIL a fifth of the time each slowed the engine by
 25-40%). So the node's requests go through a pipe to a child process that owns the models and engines, and their
-results come back the same way. If the child dies (out of device memory, a crash in a kernel), the requests it
-held fail and the next request starts a new child.
+results come back the same way (messages.py: one dataclass per kind). If the child dies (out of device memory, a
+crash in a kernel), the requests it held fail with EngineProcessExited and the next request starts a new child.
+
+Streaming: `EngineHost.generate(submission, on_delta=f)` marks the request as streaming; the child forwards each
+GenerationDelta the engine reports as a Delta message, and f is called with it (from the host's reader thread,
+in order, before the request's future resolves). Keep f quick: it holds up every other answer.
 
 The child is spawned, not forked (a forked device runtime is unusable), and inherits the node's environment,
 device mask included. It exits when the worker goes away: its end of the pipe then reads EOF.
 """
 
+import dataclasses
 import itertools
 import multiprocessing
 import os
@@ -18,10 +23,20 @@ import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
-from pathlib import Path
+from typing import Callable
 
-from worker.engine.engine import GenerationResult
-from worker.serving.inference import EngineProcessExited, RequestFailed
+from worker.engine.messages import (
+    Cancel,
+    Close,
+    Delta,
+    Failed,
+    Finished,
+    Generate,
+    Report,
+    ReportRequest,
+    Submission,
+)
+from worker.engine.requests import EngineProcessExited, GenerationDelta, GenerationResult, RequestFailed
 
 # The heartbeat waits this long for the child's report, then publishes the last one it had: the heartbeat also
 # keeps the node in the registry, and a child still starting (importing torch) answers only seconds later.
@@ -29,6 +44,13 @@ REPORT_TIMEOUT_SECONDS = 0.5
 # Requests being prepared at once in the child (model load, adapter load) before they reach an engine; a load
 # blocks only the requests that need that model.
 PREPARE_THREADS = 8
+
+
+class _Pending:
+    __slots__ = ("conn", "future", "on_delta")
+
+    def __init__(self, conn: Connection, future: Future, on_delta: Callable[[GenerationDelta], None] | None):
+        self.conn, self.future, self.on_delta = conn, future, on_delta
 
 
 class EngineHost:
@@ -42,7 +64,7 @@ class EngineHost:
         self._send_lock = threading.Lock()  # one message at a time on the pipe
         self._conn: Connection | None = None
         self._proc: multiprocessing.process.BaseProcess | None = None
-        self._pending: dict[str, tuple[Connection, Future]] = {}  # request id -> its child's pipe, its result
+        self._pending: dict[str, _Pending] = {}  # request id -> its child's pipe, its result, its delta callback
         self._reports: dict[int, Future] = {}
         self._call_ids = itertools.count()
         self._last_report: dict = {"models": []}  # the current child's latest answer
@@ -51,7 +73,7 @@ class EngineHost:
         with self._lock:
             self._ensure_child()
 
-    def _send(self, conn: Connection, message: tuple) -> bool:
+    def _send(self, conn: Connection, message) -> bool:
         """False when the child is gone."""
         try:
             with self._send_lock:
@@ -60,35 +82,38 @@ class EngineHost:
         except OSError:
             return False
 
-    def generate(self, request_id: str, base: str, adapter: tuple[str, Path] | None, request: dict,
-                 prompt_ids: list[int]) -> Future:
+    def generate(self, submission: Submission, on_delta: Callable[[GenerationDelta], None] | None = None) -> Future:
         """The future of a GenerationResult; it raises RequestFailed when the model, the adapter or the prompt
-        cannot be served."""
-        return self.generate_many([(request_id, base, adapter, request, prompt_ids)])[0]
+        cannot be served. With on_delta, the request streams: on_delta gets each GenerationDelta first."""
+        if on_delta is not None:
+            submission = dataclasses.replace(submission, stream=True)
+        return self.generate_many([submission], [on_delta])[0]
 
-    def generate_many(self, requests: list[tuple[str, str, tuple[str, Path] | None, dict, list[int]]]) -> list[Future]:
+    def generate_many(self, submissions: list[Submission],
+                      on_deltas: list[Callable[[GenerationDelta], None] | None] | None = None) -> list[Future]:
         """generate() for several requests in one message: the child's host loop shares its GIL with whatever
         receives them, so fewer, larger messages leave more of it to the engine."""
-        futures: list[Future] = [Future() for _ in requests]
+        futures: list[Future] = [Future() for _ in submissions]
+        callbacks = on_deltas or [None] * len(submissions)
         for _ in range(2):  # a child found dead on sending is replaced once
             with self._lock:
                 self._ensure_child()
                 conn, proc = self._conn, self._proc
-                for (request_id, *_), future in zip(requests, futures, strict=True):
-                    self._pending[request_id] = (conn, future)
-            if self._send(conn, ("generate", requests)):
+                for sub, future, callback in zip(submissions, futures, callbacks, strict=True):
+                    self._pending[sub.request_id] = _Pending(conn, future, callback)
+            if self._send(conn, Generate(submissions)):
                 return futures
             with self._lock:
-                for request_id, *_ in requests:
-                    self._pending.pop(request_id, None)
+                for sub in submissions:
+                    self._pending.pop(sub.request_id, None)
             proc.join(5)
         raise RequestFailed("server_error", "The worker's engine process could not be started.")
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
-            conn = self._pending.get(request_id, (None, None))[0]
-        if conn is not None:
-            self._send(conn, ("cancel", request_id))  # a dead child has nothing left to cancel
+            pending = self._pending.get(request_id)
+        if pending is not None:
+            self._send(pending.conn, Cancel(request_id))  # a dead child has nothing left to cancel
 
     def report(self) -> dict:
         """What the registry shows of the loaded models and their engines (nothing while no child runs)."""
@@ -99,7 +124,7 @@ class EngineHost:
             conn, pid, call_id = self._conn, self._proc.pid, next(self._call_ids)
             self._reports[call_id] = future
         try:
-            if not self._send(conn, ("report", call_id)):
+            if not self._send(conn, ReportRequest(call_id)):
                 return {"models": [], "engine_pid": None}
             return {**future.result(timeout=REPORT_TIMEOUT_SECONDS), "engine_pid": pid}
         except TimeoutError:
@@ -114,7 +139,7 @@ class EngineHost:
         with self._lock:
             conn, proc = self._conn, self._proc
         if conn is not None:
-            self._send(conn, ("close",))
+            self._send(conn, Close())
         if proc is not None:
             proc.join(30)
             if proc.is_alive():
@@ -142,34 +167,44 @@ class EngineHost:
         with self._lock:  # a new child may already be serving newer requests: fail only this one's
             if self._conn is conn:
                 self._conn, self._proc = None, None
-            lost = [self._pending.pop(rid)[1] for rid, (c, _) in list(self._pending.items()) if c is conn]
+            lost = [self._pending.pop(rid).future for rid, p in list(self._pending.items()) if p.conn is conn]
         proc.join(5)
         for future in lost:
             future.set_exception(EngineProcessExited(proc.exitcode))
 
-    def _answer(self, answer: tuple) -> None:
-        kind = answer[0]
-        if kind == "report":
+    def _answer(self, answer) -> None:
+        if isinstance(answer, Report):
+            report = {"models": [dataclasses.asdict(m) for m in answer.models]}
             with self._lock:
-                self._last_report = answer[2]
-                future = self._reports.get(answer[1])
+                self._last_report = report
+                future = self._reports.get(answer.call_id)
             if future is not None:
-                future.set_result(answer[2])
+                future.set_result(report)
             return
+        if isinstance(answer, Delta):
+            with self._lock:
+                pending = self._pending.get(answer.delta.request_id)
+            if pending is not None and pending.on_delta is not None:
+                try:
+                    pending.on_delta(answer.delta)
+                except Exception as exc:  # one consumer's failure must not stop the other answers
+                    print(f"xpu-jobs engine host: on_delta failed: {exc!r}", flush=True)
+            return
+        request_id = answer.result.request_id if isinstance(answer, Finished) else answer.request_id
         with self._lock:
-            _, future = self._pending.pop(answer[1], (None, None))
-        if future is None:
+            pending = self._pending.pop(request_id, None)
+        if pending is None:
             return
-        if kind == "result":
-            future.set_result(answer[2])
-        else:  # "failed"
-            future.set_exception(RequestFailed(answer[2], answer[3]))
+        if isinstance(answer, Finished):
+            pending.future.set_result(answer.result)
+        else:
+            pending.future.set_exception(RequestFailed(answer.code, answer.message))
 
 
 def serve(conn: Connection, backend: str) -> None:
     """The child: loads models, runs their engines, and answers the worker through `conn` until it closes."""
     from contract.settings import Settings
-    from worker.serving.inference import ModelCache, freeze_heap, submit
+    from worker.engine.model_cache import ModelCache, freeze_heap, submit
 
     cache = ModelCache(Settings(), backend)
     lock = threading.Lock()  # the two maps below
@@ -202,24 +237,26 @@ def serve(conn: Connection, backend: str) -> None:
     def finished(request_id: str, result: GenerationResult) -> None:
         with lock:
             engines.pop(request_id, None)
-        send(("result", request_id, result))
+        send(Finished(result))
 
-    def start_all(requests: list[tuple]) -> None:
-        for request in requests:
-            start(*request)
+    def start_all(submissions: list[Submission]) -> None:
+        for submission in submissions:
+            start(submission)
 
-    def start(request_id: str, base: str, adapter, request: dict, prompt_ids: list[int]) -> None:
+    def start(submission: Submission) -> None:
+        request_id = submission.request_id
         try:
-            engine, future = submit(cache, request_id, base, adapter, request, prompt_ids)
+            engine, future = submit(cache, submission,
+                                    (lambda delta: send(Delta(delta))) if submission.stream else None)
         except RequestFailed as exc:
             with lock:
                 preparing.pop(request_id, None)
-            send(("failed", request_id, exc.code, str(exc)))
+            send(Failed(request_id, exc.code, str(exc)))
             return
         except Exception as exc:  # one bad request must not take the engines down
             with lock:
                 preparing.pop(request_id, None)
-            send(("failed", request_id, "server_error", f"{type(exc).__name__}: {exc}"))
+            send(Failed(request_id, "server_error", f"{type(exc).__name__}: {exc}"))
             return
         with lock:
             engines[request_id] = engine
@@ -234,22 +271,21 @@ def serve(conn: Connection, backend: str) -> None:
             message = conn.recv()
         except (EOFError, OSError):  # the worker is gone
             break
-        kind = message[0]
-        if kind == "generate":
+        if isinstance(message, Generate):
             with lock:
-                for request_id, *_ in message[1]:
-                    preparing[request_id] = False
-            prepare.submit(start_all, message[1])
-        elif kind == "cancel":
+                for submission in message.submissions:
+                    preparing[submission.request_id] = False
+            prepare.submit(start_all, message.submissions)
+        elif isinstance(message, Cancel):
             with lock:
-                engine = engines.get(message[1])
-                if engine is None and message[1] in preparing:
-                    preparing[message[1]] = True
+                engine = engines.get(message.request_id)
+                if engine is None and message.request_id in preparing:
+                    preparing[message.request_id] = True
             if engine is not None:
-                engine.cancel(message[1])
-        elif kind == "report":
-            send(("report", message[1], cache.report()))
-        elif kind == "close":
+                engine.cancel(message.request_id)
+        elif isinstance(message, ReportRequest):
+            send(Report(message.call_id, cache.report()))
+        elif isinstance(message, Close):
             break
     cache.close()
     outbox.put(None)

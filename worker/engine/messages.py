@@ -1,0 +1,95 @@
+"""The messages between a worker node and its engine process (process.py), one dataclass per kind. The worker
+sends one message at a time; the engine process sends lists of answers (what it has ready, in one message)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from worker.engine.requests import GenerationDelta, GenerationResult, SamplingParams
+
+
+@dataclass(frozen=True)
+class ModelKey:
+    """How a base is loaded: one loaded model (and engine) per distinct key."""
+    base: str
+    attn_implementation: str = "sdpa"
+    quantization: str = "none"
+    use_kernels: bool = False
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    name: str  # unique per adapter (job id, or job id and checkpoint step)
+    path: Path
+
+
+@dataclass
+class Submission:
+    """One request for the engine process: what to load and what to generate."""
+    request_id: str
+    model: ModelKey
+    adapter: AdapterRef | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool = False  # answer with Delta messages as tokens are produced
+
+
+# ------------------------------------------------------------------------------------- worker -> engine process
+
+
+@dataclass
+class Generate:
+    submissions: list[Submission]
+
+
+@dataclass
+class Cancel:
+    request_id: str
+
+
+@dataclass
+class ReportRequest:
+    call_id: int
+
+
+@dataclass
+class Close:
+    pass
+
+
+# ------------------------------------------------------------------------------------- engine process -> worker
+
+
+@dataclass
+class Delta:
+    delta: GenerationDelta
+
+
+@dataclass
+class Finished:
+    result: GenerationResult
+
+
+@dataclass
+class Failed:
+    request_id: str
+    code: str
+    message: str
+
+
+@dataclass
+class ModelReport:
+    """One loaded model as the registry shows it; `engine` holds the engine's counters (numbers and strings)."""
+    model: str
+    attn_implementation: str
+    quantization: str
+    use_kernels: bool
+    adapters: list[str]
+    engine: dict[str, int | float | str | None]
+
+
+@dataclass
+class Report:
+    call_id: int
+    models: list[ModelReport] = field(default_factory=list)

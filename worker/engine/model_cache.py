@@ -1,0 +1,138 @@
+"""The engine process's loaded models: base models stay loaded (a cache bounded by a byte budget), each with a
+generation engine that batches every concurrent request for it; fine-tuned adapters are loaded onto the loaded
+base once and chosen per request inside a batch, never by reloading the base."""
+
+import gc
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+from contract.settings import Settings
+from worker.engine.engine import Engine
+from worker.engine.messages import AdapterRef, ModelKey, ModelReport, Submission
+from worker.engine.requests import GenerationDelta, GenerationRequest, RequestFailed
+from worker.models import ModelLoadError, load_model_and_tokenizer
+from worker.node import devices
+
+
+@dataclass
+class LoadedModel:
+    engine: Engine
+    max_positions: int | None
+    nbytes: int
+    adapters: set[str] = field(default_factory=set)
+
+
+class ModelCache:
+    """Loaded bases keyed by how they were loaded (model, attention, quantization, kernels), least recently used
+    evicted first."""
+
+    def __init__(self, settings: Settings, backend: str):
+        self.settings = settings
+        self.backend = backend
+        self._models: OrderedDict[ModelKey, LoadedModel] = OrderedDict()
+        self._lock = threading.Lock()  # guards the dict only, never held while loading
+        self._loading: dict[ModelKey, threading.Lock] = {}
+
+    def _cached(self, key) -> LoadedModel | None:
+        with self._lock:
+            if key in self._models:
+                self._models.move_to_end(key)
+                return self._models[key]
+            return None
+
+    def get(self, key: ModelKey) -> LoadedModel:
+        if loaded := self._cached(key):
+            return loaded
+        with self._lock:
+            loading = self._loading.setdefault(key, threading.Lock())
+        # One load per key; requests for models already loaded (and the heartbeat) never wait for it.
+        with loading:
+            if loaded := self._cached(key):
+                return loaded
+            try:
+                model, tokenizer = load_model_and_tokenizer(key.base, self.settings, self.backend,
+                                                            attn_implementation=key.attn_implementation,
+                                                            quantization=key.quantization,
+                                                            use_kernels=key.use_kernels)
+            except ModelLoadError as exc:
+                raise RequestFailed(exc.code, str(exc)) from None
+            nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            with self._lock:
+                while self._models and sum(m.nbytes for m in self._models.values()) + nbytes > \
+                        self.settings.model_cache_bytes:
+                    self._models.popitem(last=False)[1].engine.close()
+            context = getattr(model.config, "max_position_embeddings", None)
+            engine = Engine(model, tokenizer, device=devices.torch_device(self.backend),
+                            memory_budget_bytes=self.settings.engine_memory_bytes,
+                            max_batch_size=self.settings.engine_max_batch_size,
+                            max_seq_len=min(self.settings.engine_max_seq_len, context or 1 << 30))
+            engine.warmup()  # every batch size's decode graph now, not in the middle of someone's requests
+            loaded = LoadedModel(engine, context, nbytes)
+            with self._lock:
+                self._models[key] = loaded
+            freeze_heap()
+            return loaded
+
+    @staticmethod
+    def attach_adapter(loaded: LoadedModel, adapter: AdapterRef) -> None:
+        """Load an adapter onto the loaded base once; later requests only name it."""
+        from peft import PeftModel
+
+        name, path = adapter.name, adapter.path
+        engine = loaded.engine
+        with engine.model_lock:  # waits for the engine's current step
+            if name in loaded.adapters:
+                return
+            if not (path / "adapter_config.json").exists():
+                raise RequestFailed("model_not_found", f"The adapter files of '{name}' are missing.")
+            model = engine.model
+            if isinstance(model, PeftModel):
+                model.load_adapter(str(path), adapter_name=name)
+            else:
+                model = PeftModel.from_pretrained(model, str(path), adapter_name=name)
+            model.eval()
+            engine.update_model(model)
+            engine.warmup()  # update_model dropped the captured graphs
+            loaded.adapters.add(name)
+
+    def close(self) -> None:
+        with self._lock:
+            for loaded in self._models.values():
+                loaded.engine.close()
+            self._models.clear()
+
+    def report(self) -> list[ModelReport]:
+        """What the registry shows of this node's loaded models and their engines."""
+        with self._lock:
+            items = list(self._models.items())
+        return [ModelReport(key.base, key.attn_implementation, key.quantization, key.use_kernels,
+                            sorted(m.adapters), {k: v for k, v in m.engine.stats.items()
+                                                 if isinstance(v, (int, float, str, type(None)))})
+                for key, m in items]
+
+
+def freeze_heap() -> None:
+    """Exempt what is loaded now (torch, transformers, the models' modules) from Python's cyclic collector. A full
+    collection walks every object with the GIL held, about 0.25 s in a worker process, and stalls the engine's
+    host loop and every request thread meanwhile."""
+    gc.collect()
+    gc.freeze()
+
+
+def submit(cache: ModelCache, submission: Submission,
+           on_delta: Callable[[GenerationDelta], None] | None = None) -> tuple[Engine, Future]:
+    """Load base and adapter as needed, and give the request to the base's engine."""
+    loaded = cache.get(submission.model)
+    if submission.adapter:
+        cache.attach_adapter(loaded, submission.adapter)
+    ids, params = submission.prompt_ids, submission.params
+    if loaded.max_positions and len(ids) + params.max_new_tokens > loaded.max_positions:
+        raise RequestFailed("invalid_prompt",
+                            f"The prompt ({len(ids)} tokens) plus max tokens ({params.max_new_tokens}) exceeds the "
+                            f"model's context of {loaded.max_positions}.")
+    request = GenerationRequest(submission.request_id, ids, params,
+                                submission.adapter.name if submission.adapter else None, stream=submission.stream)
+    return loaded.engine, loaded.engine.submit(request, on_delta)

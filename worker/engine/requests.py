@@ -1,0 +1,71 @@
+"""What goes into the engine and what comes out: requests, their sampling settings, results, incremental output
+(deltas) and the errors a caller sees."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 256
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # keep going past EOS until max_new_tokens (benchmarks)
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    adapter: str | None = None
+    # Report each step's newly accepted tokens as a GenerationDelta (Engine.submit's on_delta) before the result.
+    stream: bool = False
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    output_ids: list[int]  # generated tokens; includes the EOS token when one ended the request
+    text: str  # decoded without special tokens, cut before a matched stop string
+    finish_reason: str  # "stop" | "length" | "cancelled" | "error"
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None
+    # an OpenAI error code for finish_reason "error" where one fits (context_length_exceeded, invalid_prompt, ...)
+    error_code: str | None = None
+
+
+@dataclass
+class GenerationDelta:
+    """New output of a streaming request: the token ids accepted since the last delta and the text they add. The
+    texts of a request's deltas concatenate to its result's text (text held back while it may still turn out to
+    be part of a stop string or an incomplete character comes in a later delta, the last one at the finish)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+
+
+class EngineClosed(RuntimeError):
+    pass
+
+
+class RequestFailed(Exception):
+    """A request that cannot be served; `code` is the OpenAI-style error code the client sees."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class EngineProcessExited(RequestFailed):
+    """The node's engine process died while the request ran: nothing about the request failed, so it can be sent
+    again (the next one starts a new process)."""
+
+    def __init__(self, exit_code: int | None):
+        super().__init__("server_error", f"The worker's engine process exited (exit code {exit_code}) while this "
+                                         "request ran; it can be sent again.")

@@ -1,0 +1,82 @@
+"""Choosing each request's next token from its logits: greedy (temperature 0, argmax: the same tokens as
+`generate(do_sample=False)`), or temperature + top_p, drawn with counter-based noise from (seed, token index,
+vocabulary index), so a seed reproduces the same tokens whatever else shares the batch (and after a preemption).
+
+`pick` is the one place logits become tokens, for the native and the fallback path alike: per-request logits
+processing (penalties, grammars, logprobs) belongs there, on the rows of the requests that ask for it."""
+
+from __future__ import annotations
+
+import torch
+
+from worker.engine.device import to_device
+
+SAMPLE_CHUNK = 16  # rows sampled at once: bounds the [rows, vocab] temporaries of top-p and the noise
+_M32 = 0xFFFFFFFF
+
+
+def _mix32_py(x: int) -> int:
+    x &= _M32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _M32
+    x ^= x >> 16
+    return x
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for int64 x in [0, 2**32) without int64 overflow (c split in 16-bit halves)."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _row_key(seed: int, step: int) -> int:
+    return _mix32_py((seed & _M32) ^ _mix32_py(((seed >> 32) & _M32) ^ _mix32_py(step ^ 0x9E3779B9)))
+
+
+def sample_tokens(logits: torch.Tensor, temperature: list[float], top_p: list[float], seeds: list[int],
+                  steps: list[int]) -> torch.Tensor:
+    """One token per row of float32 `logits` [R, V]: softmax(logits / T), top-p filtered, drawn with the
+    exponential race argmax(p / E), E = -log(u) and u a hash of (seed, step, vocabulary index)."""
+    out = []
+    dev = logits.device
+    vocab = torch.arange(logits.shape[-1], device=dev, dtype=torch.int64)
+    for i in range(0, logits.shape[0], SAMPLE_CHUNK):
+        sl = slice(i, i + SAMPLE_CHUNK)
+        t = to_device(temperature[sl], torch.float32, dev)[:, None]
+        probs = torch.softmax(logits[sl].float() / t, dim=-1)
+        tp = top_p[sl]
+        if any(p < 1.0 for p in tp):
+            sp, idx = probs.sort(dim=-1, descending=True)
+            before = sp.cumsum(dim=-1) - sp  # mass of the more likely tokens
+            cut = before >= to_device(tp, torch.float32, dev)[:, None]
+            probs = torch.zeros_like(probs).scatter_(-1, idx, sp.masked_fill(cut, 0.0))
+        keys = to_device([_row_key(s, k) for s, k in zip(seeds[sl], steps[sl], strict=True)], torch.int64, dev)
+        h = _mix32(keys[:, None] ^ vocab[None, :])
+        u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+        out.append(torch.argmax(probs / (-torch.log(u)), dim=-1))
+    return torch.cat(out)
+
+
+def pick(logits: torch.Tensor, greedy: torch.Tensor | None, rows: list, steps: list[int]) -> torch.Tensor:
+    """Tokens for the rows of `logits` ([N, V]). `rows` pairs a row index with its sequence (which has
+    temperature, top_p and seed); `steps` gives each one's output index. Rows with temperature > 0 are sampled,
+    the others take `greedy` (argmax of logits when None)."""
+    toks = torch.argmax(logits, dim=-1) if greedy is None else greedy
+    samp = [(i, s, k) for (i, s), k in zip(rows, steps, strict=True) if s.temperature > 0]
+    if samp:
+        index = to_device([i for i, _, _ in samp], torch.int64, logits.device)
+        drawn = sample_tokens(logits.index_select(0, index).float(), [s.temperature for _, s, _ in samp],
+                              [s.top_p for _, s, _ in samp], [s.seed for _, s, _ in samp], [k for _, _, k in samp])
+        toks = toks.clone() if greedy is None else toks
+        toks.index_copy_(0, index, drawn)
+    return toks
