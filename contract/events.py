@@ -57,6 +57,13 @@ def read_newest_first(client: redis.Redis, job_id: str, after: str | None, limit
     return events[:limit], len(events) > limit
 
 
+async def read_after(client, job_id: str, after_entry: str, block_ms: int, count: int = 100) -> list[dict]:
+    """Oldest first, the events after stream entry `after_entry` ("0-0": from the start), waiting up to block_ms
+    for one when there is none yet (client: an asyncio Redis)."""
+    reply = await client.xread({stream_key(job_id): after_entry}, count=count, block=block_ms)
+    return [_to_event(e, f) for _, entries in reply or [] for e, f in entries]
+
+
 def read_all(client: redis.Redis, job_id: str) -> list[dict]:
     return [_to_event(e, f) for e, f in client.xrange(stream_key(job_id))]
 

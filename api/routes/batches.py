@@ -4,9 +4,10 @@ and the batch's event stream (extension)."""
 import json
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Header, Query
+from fastapi import APIRouter, Header, Query, Request
 from pydantic import BaseModel
 
+from api import event_stream
 from api.deps import CeleryDep, RedisDep, SettingsDep, StoreDep, TenantDep
 from api.errors import APIError, invalid, not_found
 from api.routes.files import get_file
@@ -174,8 +175,14 @@ def cancel_batch(batch_id: str, tenant: TenantDep, settings: SettingsDep, store:
 
 
 @router.get("/{batch_id}/events")
-def list_batch_events(batch_id: str, tenant: TenantDep, store: StoreDep, redis: RedisDep,
-                      after: str | None = None, limit: Annotated[int, Query(ge=1, le=1000)] = 20):
+def list_batch_events(request: Request, batch_id: str, tenant: TenantDep, store: StoreDep, redis: RedisDep,
+                      after: str | None = None, limit: Annotated[int | None, Query(ge=1, le=1000)] = None,
+                      stream: bool = False):
     get_batch(store, batch_id, tenant)
-    page, has_more = events.read_newest_first(redis, batch_id, after, limit)
+    if event_stream.wants_stream(request, stream):
+        if limit is not None:
+            raise invalid("limit pages the event list; a stream sends every event.", param="limit")
+        return event_stream.stream(request, batch_id, "batch.event", after,
+                                   lambda: get_batch(store, batch_id, tenant)["status"])
+    page, has_more = events.read_newest_first(redis, batch_id, after, limit or 20)
     return {"object": "list", "data": [{**e, "object": "batch.event"} for e in page], "has_more": has_more}

@@ -5,6 +5,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request
 
+from api import event_stream
 from api.catalog import resolve
 from api.deps import CeleryDep, RedisDep, SettingsDep, StoreDep, TenantDep
 from api.errors import APIError, invalid, not_found
@@ -168,10 +169,16 @@ def cancel_job(job_id: str, tenant: TenantDep, store: StoreDep, redis: RedisDep,
 
 
 @router.get("/{job_id}/events")
-def list_events(job_id: str, tenant: TenantDep, store: StoreDep, redis: RedisDep, after: str | None = None,
-                limit: Annotated[int, Query(ge=1, le=1000)] = 20):
+def list_events(request: Request, job_id: str, tenant: TenantDep, store: StoreDep, redis: RedisDep,
+                after: str | None = None, limit: Annotated[int | None, Query(ge=1, le=1000)] = None,
+                stream: bool = False):
     get_job(store, job_id, tenant)
-    page, has_more = events.read_newest_first(redis, job_id, after, limit)
+    if event_stream.wants_stream(request, stream):
+        if limit is not None:
+            raise invalid("limit pages the event list; a stream sends every event.", param="limit")
+        return event_stream.stream(request, job_id, "fine_tuning.job.event", after,
+                                   lambda: get_job(store, job_id, tenant)["status"])
+    page, has_more = events.read_newest_first(redis, job_id, after, limit or 20)
     return {"object": "list", "data": [{**e, "object": "fine_tuning.job.event"} for e in page],
             "has_more": has_more}
 
