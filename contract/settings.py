@@ -58,6 +58,8 @@ class Settings(BaseSettings):
     training_processes: int = 0
     default_n_epochs: int = 3
     default_batch_size: int = 4
+    # Longest training example in tokens (also capped by the model's context); longer ones are truncated.
+    training_max_seq_len: int = 4096
 
     # Batch inference: lines per chunk that one worker task runs.
     batch_chunk_lines: int = 64

@@ -16,9 +16,10 @@ def training_jsonl(n: int = 8) -> bytes:
     return "\n".join(json.dumps(chat if i % 2 else pair) for i in range(n)).encode()
 
 
-def ask_chat(client, model: str) -> str:
-    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}],
-                                           max_tokens=24, temperature=0)
+def ask_chat(client, model: str, messages=None, **sampling) -> str:
+    """The answer to QUESTION (or to `messages`), greedy unless sampling options are given."""
+    reply = client.chat.completions.create(model=model, messages=messages or [{"role": "user", "content": QUESTION}],
+                                           max_tokens=24, **(sampling or {"temperature": 0}))
     return reply.choices[0].message.content
 
 
@@ -59,6 +60,10 @@ def test_fine_tune_then_infer_with_adapter(client_a, training_file, quantization
 
     assert ANSWER in ask_chat(client_a, job.fine_tuned_model)
     assert ANSWER not in ask_chat(client_a, "demo-tiny")
+    # The walkthrough's promise: the taught sentence also at the default temperature (1.0), every time.
+    assert checkpoints[0].metrics.train_loss < 0.1
+    for seed in range(3):
+        assert ask_chat(client_a, job.fine_tuned_model, seed=seed) == ANSWER
 
     response = client_a.responses.create(model=job.fine_tuned_model, input=QUESTION, background=True,
                                          max_output_tokens=24, temperature=0)
@@ -104,3 +109,26 @@ def test_jobs_listed_by_metadata(client_a, training_file):
     assert tagged.id in found and other.id not in found
     for job in (tagged, other):
         assert wait_for_job(client_a, job.id).status == "succeeded"
+
+
+def test_every_assistant_turn_is_trained_unless_weight_zero_and_tool_calls_train(client_a):
+    hello, secret = "Hello from the fine-tuned adapter!", ANSWER
+    conversation = [{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": hello},
+                    {"role": "user", "content": QUESTION}, {"role": "assistant", "content": secret, "weight": 0}]
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    with_tools = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Weather in Oslo?"}]},
+                               {"role": "assistant", "content": None, "tool_calls": [call]},
+                               {"role": "tool", "tool_call_id": "call_1", "content": "12 C"},
+                               {"role": "assistant", "content": "It is 12 C."}],
+                  "tools": [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]}
+    lines = [json.dumps({"messages": conversation})] * 6 + [json.dumps(with_tools)] * 2
+    data = client_a.files.create(file=("turns.jsonl", "\n".join(lines).encode()), purpose="fine-tune")
+    job = client_a.fine_tuning.jobs.create(
+        model="demo-tiny", training_file=data.id, seed=3,
+        hyperparameters={"n_epochs": 40, "batch_size": 4, "learning_rate_multiplier": 20},
+        extra_body={"lora": {"r": 8, "alpha": 16, "dropout": 0.0}})
+    job = wait_for_job(client_a, job.id)
+    assert job.status == "succeeded", job.error
+    assert ask_chat(client_a, job.fine_tuned_model, [{"role": "user", "content": "Say hello."}]) == hello
+    # The weight-0 turn was not learned: after the same conversation the model does not give it.
+    assert secret not in ask_chat(client_a, job.fine_tuned_model, conversation[:3])

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+from contract.training_data import example
 from worker.demo_model import build_demo_model
 from worker.training.trainer import _resume_point, tokenize_examples
 
@@ -18,15 +19,60 @@ def test_resume_skips_a_checkpoint_cut_short(tmp_path):
     assert _resume_point({"checkpoints": []}, tmp_path / "none") is None
 
 
-def test_loss_covers_only_the_final_answer(tmp_path):
+def _learned(tokenizer, row) -> list[str]:
+    """The decoded runs of trained tokens of one row."""
+    runs, current = [], []
+    for token, label in zip(row["input_ids"], row["labels"], strict=True):
+        if label != -100:
+            current.append(token)
+        elif current:
+            runs, current = runs + [tokenizer.decode(current)], []
+    return runs + ([tokenizer.decode(current)] if current else [])
+
+
+def test_loss_covers_every_assistant_turn_but_weight_zero(tmp_path):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(build_demo_model(tmp_path / "tiny"))
-    [row] = tokenize_examples(tokenizer, [[{"role": "user", "content": "Say hello."},
-                                           {"role": "assistant", "content": "Hello!"}]], 1024)
-    learned = [t for t, label in zip(row["input_ids"], row["labels"], strict=True) if label != -100]
-    assert tokenizer.decode(learned) == "Hello!<|end|>"
-    assert len(row["labels"]) == len(row["input_ids"])
+    line = {"messages": [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Say hello."},
+                         {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Again."},
+                         {"role": "assistant", "content": "Bad answer.", "weight": 0},
+                         {"role": "user", "content": "Once more."},
+                         {"role": "assistant", "content": [{"type": "text", "text": "Hello again!"}]}]}
+    [row], report = tokenize_examples(tokenizer, [example(line)], 1024)
+    assert _learned(tokenizer, row) == ["Hello!<|end|>", "Hello again!<|end|>"]
+    assert report == {"truncated": 0, "skipped": 0}
+    # The prompt tokens are those of the conversation before each turn, rendered as at inference.
+    assert tokenizer.decode(row["input_ids"]).startswith("<|system|>Be kind.<|end|><|user|>Say hello.<|end|>"
+                                                         "<|assistant|>Hello!<|end|>")
+
+
+def test_tool_calls_are_trained_as_the_template_renders_them(tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(build_demo_model(tmp_path / "tiny"))
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}
+    line = {"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "12 C"},
+                         {"role": "assistant", "content": "It is 12 C."}],
+            "tools": [{"type": "function", "function": {"name": "weather"}}]}
+    [row], _ = tokenize_examples(tokenizer, [example(line)], 1024)
+    assert _learned(tokenizer, row) == ['<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
+                                        '<|end|>', "It is 12 C.<|end|>"]
+    assert tokenizer.decode(row["input_ids"]).startswith('<|system|>Tools: {"type": "function"')
+
+
+def test_examples_longer_than_the_context_are_truncated_or_skipped(tmp_path):
+    """Never trained at loss 0: an example with no trained token left after truncation is dropped."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(build_demo_model(tmp_path / "tiny"))
+    long_prompt = {"prompt": "word " * 200, "completion": "Yes."}
+    long_answer = {"prompt": "Hi", "completion": "word " * 200}
+    rows, report = tokenize_examples(tokenizer, [example(long_prompt), example(long_answer)], 64)
+    assert report == {"truncated": 2, "skipped": 1}
+    [row] = rows
+    assert len(row["input_ids"]) == 64 and any(label != -100 for label in row["labels"])
 
 
 def test_data_parallel_training_with_two_processes(stack_env, redis_client, tmp_path):

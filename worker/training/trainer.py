@@ -34,18 +34,63 @@ class JobFailed(Exception):
         self.code = code
 
 
-def tokenize_examples(tokenizer, examples: list[list[dict]], max_length: int) -> list[dict]:
-    """Chat-templated examples; the loss covers only the final assistant turn (prompt tokens are -100)."""
-    rows = []
-    for messages in examples:
-        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        prompt = tokenizer.apply_chat_template(messages[:last], add_generation_prompt=True, tokenize=False)
-        full = tokenizer.apply_chat_template(messages[: last + 1], tokenize=False)
-        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        full_ids = tokenizer(full, add_special_tokens=False)["input_ids"][:max_length]
-        labels = [-100] * min(len(prompt_ids), len(full_ids)) + full_ids[len(prompt_ids):]
-        rows.append({"input_ids": full_ids, "labels": labels})
-    return rows
+def _render(tokenizer, messages: list[dict], tools, generation_prompt: bool = False) -> str:
+    if not messages:
+        return ""
+    plain = [{k: v for k, v in m.items() if k != "weight"} for m in messages]
+    return tokenizer.apply_chat_template(plain, tools=tools, add_generation_prompt=generation_prompt, tokenize=False)
+
+
+def trained_spans(tokenizer, example: dict) -> list[tuple[str, list[tuple[int, int]]]]:
+    """Texts to train on, each with the character spans of its trained assistant turns (weight 1).
+
+    A turn's span runs from the end of the conversation before it (rendered with the generation prompt, as at
+    inference) to the end of the turn rendered by the chat template. When the template renders each trained turn
+    as a prefix of the whole conversation, the whole conversation is one text with all its spans; a template
+    that renders earlier turns differently (one that drops the reasoning of earlier turns) gives one text per
+    trained turn, so no turn is learned in a form the model never produces.
+    """
+    messages, tools = example["messages"], example.get("tools")
+    full = _render(tokenizer, messages, tools)
+    turns = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant" or not m.get("weight", 1):
+            continue
+        before = _render(tokenizer, messages[:i], tools, generation_prompt=True)
+        through = _render(tokenizer, messages[: i + 1], tools)
+        if not through.startswith(before):
+            raise JobFailed("chat_template_mismatch", "The model's chat template renders an assistant turn "
+                                                      "differently from its generation prompt; cannot tell which "
+                                                      "tokens to train")
+        turns.append((through, (len(before), len(through))))
+    if all(full.startswith(through) for through, _ in turns):
+        return [(turns[-1][0], [span for _, span in turns])]
+    return [(through, [span]) for through, span in turns]
+
+
+def tokenize_examples(tokenizer, examples: list[dict], max_length: int) -> tuple[list[dict], dict]:
+    """Chat-templated examples with the loss on every trained assistant turn (other tokens are -100), and how
+    many were cut to max_length (`truncated`) or dropped because nothing trained was left (`skipped`).
+
+    Segments are tokenized one by one, so a turn's tokens are the ones the model generates after the prompt."""
+    rows, report = [], {"truncated": 0, "skipped": 0}
+    for example in examples:
+        for text, spans in trained_spans(tokenizer, example):
+            input_ids, labels, at = [], [], 0
+            for start, end in spans:
+                for piece, trained in ((text[at:start], False), (text[start:end], True)):
+                    ids = tokenizer(piece, add_special_tokens=False)["input_ids"] if piece else []
+                    input_ids += ids
+                    labels += ids if trained else [-100] * len(ids)
+                at = end
+            if len(input_ids) > max_length:
+                report["truncated"] += 1
+                input_ids, labels = input_ids[:max_length], labels[:max_length]
+                if all(label == -100 for label in labels):
+                    report["skipped"] += 1
+                    continue
+            rows.append({"input_ids": input_ids, "labels": labels})
+    return rows, report
 
 
 class Collator:
@@ -192,13 +237,10 @@ def train(job: dict, store: RecordStore, settings: Settings, backend: str) -> di
     model = get_peft_model(model, LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
                                              target_modules=lora["target_modules"], task_type="CAUSAL_LM"))
 
-    max_length = min(getattr(model.config, "max_position_embeddings", 2048) or 2048, 4096)
-    train_rows = tokenize_examples(tokenizer, read_examples(file_path(settings.artifact_root, tenant,
-                                                                        job["training_file"])), max_length)
-    eval_rows = None
-    if job.get("validation_file"):
-        eval_rows = tokenize_examples(tokenizer, read_examples(file_path(settings.artifact_root, tenant,
-                                                                           job["validation_file"])), max_length)
+    max_length = min(getattr(model.config, "max_position_embeddings", None) or 2048, settings.training_max_seq_len)
+    train_rows = _rows(job, store, settings, tokenizer, "training_file", max_length)
+    eval_rows = _rows(job, store, settings, tokenizer, "validation_file", max_length) \
+        if job.get("validation_file") else None
     hp = job["hyperparameters"]
     out = checkpoints_dir(settings.artifact_root, tenant, job_id)
     args = TrainingArguments(
@@ -224,10 +266,26 @@ def train(job: dict, store: RecordStore, settings: Settings, backend: str) -> di
     adapter = adapter_dir(settings.artifact_root, tenant, job_id)
     model.save_pretrained(adapter, safe_serialization=True)
     tokenizer.save_pretrained(adapter)
-    trained_tokens = sum(len(r["input_ids"]) for r in train_rows) * hp["n_epochs"]
+    trained_tokens = trainer.state.num_input_tokens_seen
     results_file = _write_results_file(store, settings, job, trainer)
     return {"status": "succeeded", "fine_tuned_model": fine_tuned_model_id(job["model"], job.get("suffix"), job_id),
             "trained_tokens": trained_tokens, "result_files": [results_file]}
+
+
+def _rows(job: dict, store: RecordStore, settings: Settings, tokenizer, param: str, max_length: int) -> list[dict]:
+    """The tokenized examples of the job's training or validation file. Examples longer than the context are
+    truncated, with a warning event; one with no trained token left is dropped (it would train at loss 0)."""
+    examples = read_examples(file_path(settings.artifact_root, job["tenant"], job[param]))
+    rows, report = tokenize_examples(tokenizer, examples, max_length)
+    if report["truncated"] and int(os.environ.get("RANK", 0)) == 0:
+        events.emit(store.redis, job["id"],
+                    f"{param}: {report['truncated']} example(s) longer than the context ({max_length} tokens) were "
+                    f"truncated; {report['skipped']} of them had no trained token left and were skipped",
+                    level="warn", data={"file": param, **report, "max_length": max_length})
+    if not rows:
+        raise JobFailed("examples_too_long", f"Every example of the {param} is longer than the context "
+                                             f"({max_length} tokens) before its first trained token")
+    return rows
 
 
 def _resume_point(job: dict, out: Path) -> str | None:
