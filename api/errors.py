@@ -35,8 +35,15 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):
-        first = exc.errors()[0]
-        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "header")]
+        errors = exc.errors()
+        first = errors[0]
+        if any(_union_member(p) for p in first.get("loc", ())):
+            # A value matching no member of a union fails once per member: the deepest failure says what is wrong
+            # (an image part inside a message list, rather than "input should be a string").
+            field = first["loc"][:2]
+            first = max((e for e in errors if e["loc"][:2] == field), key=lambda e: len(e["loc"]))
+        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "header")
+               and not _union_member(p)]
         param = ".".join(loc) or None
         message = f"Invalid value for '{param}': {first.get('msg')}" if param else str(first.get("msg"))
         return JSONResponse(_body(400, message, param, "invalid_value"), status_code=400)
@@ -44,6 +51,12 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
         return JSONResponse(_body(exc.status_code, str(exc.detail), None, None), status_code=exc.status_code)
+
+
+def _union_member(part) -> bool:
+    """Pydantic's name for the member of a union in an error's location ('str', 'list[Message]', ...), which is no
+    part of the field's path."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "dict", "list"))
 
 
 class DeclaredBodyLimit:

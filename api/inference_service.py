@@ -1,4 +1,5 @@
-"""Single inference requests (responses, chat completions): record, route, enqueue, and wait when synchronous."""
+"""Single inference requests (responses, chat completions, completions): record, route, enqueue, and wait when
+synchronous."""
 
 import asyncio
 import time
@@ -16,6 +17,9 @@ from contract.routing import NoCapableWorker, choose_queue, inference_requiremen
 from contract.settings import Settings
 
 TERMINAL = {"completed", "failed", "cancelled", "incomplete"}
+# A failed request's code -> the status the caller gets; anything else is a server error.
+STATUS_OF = {"invalid_prompt": 400, "unsupported_attention": 400, "kernels_unavailable": 400,
+             "model_not_found": 404}
 
 
 def submit(kind: str, tenant: str, request: dict, *, settings: Settings, store: RecordStore, celery: Celery,
@@ -57,3 +61,10 @@ async def wait_for(record_id: str, kind: str, *, store: RecordStore, client: aio
     events.request_cancel(store.redis, record_id)
     store.transition(kind, record_id, ["queued"], {"status": "cancelled"})
     raise APIError(504, f"The request did not finish within {timeout:.0f} s and was cancelled.", code="timeout")
+
+
+def raise_unless_completed(record: dict) -> None:
+    """A synchronous request that did not complete: the caller gets its error."""
+    if record["status"] != "completed":
+        error = record.get("error") or {"message": f"The request ended {record['status']}.", "code": None}
+        raise APIError(STATUS_OF.get(error.get("code"), 500), error["message"], code=error.get("code"))

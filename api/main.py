@@ -6,7 +6,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from api import errors, metrics
-from api.routes import batches, chat, files, fine_tuning, models, responses, workers
+from api.routes import batches, chat, completions, files, fine_tuning, models, responses, workers
 from contract.queues import make_celery
 from contract.records import RecordStore
 from contract.redis_conn import async_client, sync_client
@@ -41,7 +41,7 @@ def create_app(settings: Settings | None = None) -> errors.DeclaredBodyLimit:
     errors.install(app)
     metrics.install(app)
     app.add_middleware(metrics.RequestMetrics)
-    for module in (files, fine_tuning, batches, responses, chat, models, workers):
+    for module in (files, fine_tuning, batches, responses, chat, completions, models, workers):
         app.include_router(module.router)
 
     @app.get("/health", include_in_schema=False)

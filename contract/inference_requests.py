@@ -7,13 +7,17 @@ attn_implementation}.
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, StringConstraints, model_validator
+from pydantic import BaseModel, Field, StringConstraints, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 Attention = Literal["sdpa", "eager", "flash_attention_2"]
 # OpenAI's limits: at most 16 pairs, keys up to 64 characters, values up to 512.
 Metadata = Annotated[dict[Annotated[str, StringConstraints(max_length=64)],
                           Annotated[str, StringConstraints(max_length=512)]], Field(max_length=16)]
 DEFAULT_MAX_TOKENS = 256
+# Content parts a text-only model reads: chat's "text", the Responses API's "input_text" and (in earlier turns)
+# "output_text".
+TEXT_PARTS = ("text", "input_text", "output_text")
 
 
 def text_of(content: str | list[dict]) -> str:
@@ -27,6 +31,18 @@ class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict]
     type: Literal["message"] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, content):
+        # An image or audio part silently dropped would answer a different question than the one asked.
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type")
+            if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+                raise PydanticCustomError(
+                    "unsupported_content", "content parts must be text ({kinds}); the served models read text "
+                    "only, so a '{kind}' part cannot be used", {"kinds": ", ".join(TEXT_PARTS), "kind": kind})
+        return content
 
     def normal(self) -> dict:
         return {"role": "system" if self.role == "developer" else self.role, "content": text_of(self.content)}

@@ -12,7 +12,8 @@ TASK_FINE_TUNE = "xpujobs.fine_tune"
 TASK_INFERENCE = "xpujobs.inference"
 TASK_BATCH_CHUNK = "xpujobs.batch_chunk"
 # The task that runs each kind of record.
-TASK_OF = {"ftjob": TASK_FINE_TUNE, "response": TASK_INFERENCE, "chat": TASK_INFERENCE, "chunk": TASK_BATCH_CHUNK}
+TASK_OF = {"ftjob": TASK_FINE_TUNE, "response": TASK_INFERENCE, "chat": TASK_INFERENCE, "completion": TASK_INFERENCE,
+           "chunk": TASK_BATCH_CHUNK}
 
 
 def backend_queue(backend: str) -> str:

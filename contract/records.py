@@ -16,6 +16,7 @@ ID_PREFIX = {
     "ftjob": "ftjob-",
     "response": "resp_",
     "chat": "chatcmpl-",
+    "completion": "cmpl-",
     "batch": "batch_",
     "batch_request": "batch_req_",
 }

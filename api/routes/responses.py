@@ -1,15 +1,18 @@
-"""POST /v1/responses (background or waited), GET and cancel."""
+"""POST /v1/responses (background or waited; previous_response_id continues a stored one), GET, DELETE, cancel,
+and the input items."""
 
 import asyncio
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 
 from api.deps import CeleryDep, RedisDep, SettingsDep, StoreDep, TenantDep
-from api.errors import APIError, not_found
+from api.errors import APIError, invalid, not_found
 from api.inference_service import TERMINAL, submit, wait_for
+from api.protocol.responses import ResponseRequest
 from contract import events
 from contract import inference_outputs as outputs
-from contract.inference_requests import ResponseCreate
+from contract.records import RecordStore, after_cursor
 
 router = APIRouter(prefix="/v1/responses", tags=["responses"])
 
@@ -17,34 +20,91 @@ router = APIRouter(prefix="/v1/responses", tags=["responses"])
 def to_openai(record: dict) -> dict:
     return outputs.response(record["id"], record["created_at"], record["model"], record["status"],
                             record.get("result"), record["request"], background=record.get("background", False),
-                            metadata=record.get("metadata"), error=record.get("error"))
+                            metadata=record.get("metadata"), error=record.get("error"),
+                            options=record.get("options"))
+
+
+def stored(store: RecordStore, response_id: str, tenant: str, param: str | None = None) -> dict:
+    record = store.get("response", response_id, tenant)
+    if record is None or record.get("options", {}).get("store") is False:
+        raise not_found("response", response_id, param)
+    return record
+
+
+def history(store: RecordStore, tenant: str, previous_id: str | None) -> list[dict]:
+    """The conversation a new response continues: the previous one's turns (without its instructions, which
+    OpenAI does not carry over) and its answer."""
+    if previous_id is None:
+        return []
+    previous = stored(store, previous_id, tenant, "previous_response_id")
+    status, _ = outputs.response_status(previous["status"], previous.get("result"))
+    if status not in ("completed", "incomplete"):
+        raise invalid(f"Response '{previous_id}' is {status}; only a finished response can be continued.",
+                      param="previous_response_id")
+    return previous.get("conversation", []) + [{"role": "assistant", "content": previous["result"]["text"]}]
 
 
 @router.post("")
-async def create_response(body: ResponseCreate, request: Request, tenant: TenantDep, settings: SettingsDep,
+async def create_response(body: ResponseRequest, request: Request, tenant: TenantDep, settings: SettingsDep,
                           store: StoreDep, celery: CeleryDep):
-    job = {**body.normal(), "instructions": body.instructions, "max_output_tokens": body.max_output_tokens}
+    if body.stream:
+        raise invalid("Streaming is not available yet.", param="stream")
+    earlier = await asyncio.to_thread(history, store, tenant, body.previous_response_id)
+    job = {**body.normal_with(earlier), "instructions": body.instructions,
+           "max_output_tokens": body.max_output_tokens}
+    options = {"store": body.store, "previous_response_id": body.previous_response_id, "user": body.user,
+               "safety_identifier": body.safety_identifier}
     record = await asyncio.to_thread(submit, "response", tenant, job, settings=settings, store=store, celery=celery,
-                                     extra={"background": body.background, "metadata": body.metadata or {}})
+                                     extra={"background": body.background, "metadata": body.metadata or {},
+                                            "options": options, "input_items": body.input_messages(),
+                                            "conversation": earlier + body.input_messages()})
     if not body.background:
         record = await wait_for(record["id"], "response", store=store, client=request.app.state.aioredis,
                                 timeout=settings.request_timeout_seconds)
+        if not body.store:
+            await asyncio.to_thread(store.delete, "response", record["id"], tenant)
     return to_openai(record)
 
 
 @router.get("/{response_id}")
 def retrieve_response(response_id: str, tenant: TenantDep, store: StoreDep):
-    record = store.get("response", response_id, tenant)
-    if record is None:
-        raise not_found("response", response_id)
-    return to_openai(record)
+    return to_openai(stored(store, response_id, tenant))
+
+
+@router.delete("/{response_id}")
+def delete_response(response_id: str, tenant: TenantDep, store: StoreDep, redis: RedisDep):
+    record = stored(store, response_id, tenant)
+    if record["status"] not in TERMINAL:
+        events.request_cancel(redis, response_id)  # nothing keeps running for a response that is gone
+    store.delete("response", response_id, tenant)
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+def input_item(response_id: str, index: int, message: dict) -> dict:
+    part = "output_text" if message["role"] == "assistant" else "input_text"
+    return {"id": f"msg_{response_id.removeprefix('resp_')}_{index}", "type": "message", "role": message["role"],
+            "status": "completed", "content": [{"type": part, "text": message["content"]}]}
+
+
+@router.get("/{response_id}/input_items")
+def list_input_items(response_id: str, tenant: TenantDep, store: StoreDep, after: str | None = None,
+                     limit: Annotated[int, Query(ge=1, le=100)] = 20, order: Literal["asc", "desc"] = "desc",
+                     include: Annotated[list[str] | None, Query(alias="include[]")] = None):
+    if include:
+        raise invalid("No extra input item data can be included.", param="include")
+    record = stored(store, response_id, tenant)
+    items = [input_item(response_id, i, m) for i, m in enumerate(record.get("input_items", []))]
+    if order == "desc":
+        items.reverse()
+    items = after_cursor(items, after, key=lambda item: item["id"])
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
 @router.post("/{response_id}/cancel")
 def cancel_response(response_id: str, tenant: TenantDep, store: StoreDep, redis: RedisDep):
-    record = store.get("response", response_id, tenant)
-    if record is None:
-        raise not_found("response", response_id)
+    record = stored(store, response_id, tenant)
     if not record.get("background"):
         raise APIError(400, "Only responses created with background=true can be cancelled.", code="invalid_request")
     if record["status"] in TERMINAL:

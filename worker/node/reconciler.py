@@ -18,7 +18,8 @@ from contract.registry import live_workers
 from contract.routing import NoCapableWorker, Requirement, choose_queue
 from contract.settings import Settings
 
-RUNNING = {"ftjob": "running", "response": "in_progress", "chat": "in_progress", "chunk": "in_progress"}
+RUNNING = {"ftjob": "running", "response": "in_progress", "chat": "in_progress", "completion": "in_progress",
+           "chunk": "in_progress"}
 
 
 class Reconciler:

@@ -89,10 +89,23 @@ def prepare(node: Node, request_id: str, tenant: str, request: dict) -> Submissi
     return Submission(request_id, model, adapter_of(tenant, ref, node.settings), ids, sampling_params(request))
 
 
-def start(node: Node, request_id: str, tenant: str, request: dict) -> Future:
-    """Hand the request to the node's engine process. The future's result is a GenerationResult; it raises
-    RequestFailed when the model, adapter or prompt cannot be served."""
-    return host_for(node).generate(prepare(node, request_id, tenant, request))
+def choice_requests(request: dict) -> list[dict]:
+    """One engine request per choice: each prompt (a completion may send several) n times, choice i of a prompt
+    sampling with seed + i when a seed is given, so choices differ and still repeat."""
+    prompts = [{**request, "prompt": p} for p in request["prompts"]] if "prompts" in request else [request]
+    n = int(request.get("n") or 1)
+    return [{**variant, "seed": None if variant.get("seed") is None else variant["seed"] + i}
+            for variant in prompts for i in range(n)]
+
+
+def start(node: Node, request_id: str, tenant: str, request: dict) -> list[tuple[str, Future]]:
+    """Hand the request's choices to the node's engine process: (engine request id, future) each, in choice order.
+    A future's result is a GenerationResult; it raises RequestFailed when the model, adapter or prompt cannot be
+    served."""
+    choices = choice_requests(request)
+    ids = [request_id] if len(choices) == 1 else [f"{request_id}.{i}" for i in range(len(choices))]
+    futures = host_for(node).generate_many([prepare(node, i, tenant, c) for i, c in zip(ids, choices)])
+    return list(zip(ids, futures))
 
 
 def outcome(result: GenerationResult) -> dict:
@@ -101,6 +114,17 @@ def outcome(result: GenerationResult) -> dict:
     return {"text": result.text, "finish_reason": "stop" if result.finish_reason == "cancelled"
             else result.finish_reason, "prompt_tokens": result.prompt_tokens,
             "completion_tokens": result.completion_tokens}
+
+
+def merged(results: list[GenerationResult], n: int) -> dict:
+    """A request's result from its choices' ({text, finish_reason, prompt_tokens, completion_tokens} of the first,
+    and `choices` when there are several). The prompt counts once per prompt, not once per choice."""
+    outcomes = [outcome(r) for r in results]
+    result = {**outcomes[0], "prompt_tokens": sum(o["prompt_tokens"] for o in outcomes[::n]),
+              "completion_tokens": sum(o["completion_tokens"] for o in outcomes)}
+    if len(outcomes) > 1:
+        result["choices"] = outcomes
+    return result
 
 
 class CancelWatch:
@@ -157,14 +181,18 @@ def cancel_watch_for(node: Node) -> CancelWatch:
         return _watches[node.name]
 
 
-def wait(node: Node, future: Future, request_id: str, cancel_key: str) -> GenerationResult:
-    """The engine's result; a cancel asked for meanwhile stops the request in the engine."""
-    with cancel_watch_for(node).watching(cancel_key, lambda: host_for(node).cancel(request_id)):
-        return future.result()
+def wait(node: Node, started: list[tuple[str, Future]], cancel_key: str) -> list[GenerationResult]:
+    """The engine's results; a cancel asked for meanwhile stops the request's choices in the engine."""
+    def cancel() -> None:
+        for engine_id, _ in started:
+            host_for(node).cancel(engine_id)
+
+    with cancel_watch_for(node).watching(cancel_key, cancel):
+        return [future.result() for _, future in started]
 
 
 def run_request(node: Node, kind: str, record_id: str) -> None:
-    """One live request (a response or a chat completion) from its record to its result."""
+    """One live request (a response, chat completion or completion) from its record to its result."""
     store, redis = node.store, node.redis
     record = store.get(kind, record_id)
     # Attempts count here too: a request that kills its worker (out of memory, say) must not bounce forever.
@@ -174,12 +202,13 @@ def run_request(node: Node, kind: str, record_id: str) -> None:
     # Wall-clock stamps (the API wrote "received"), so a slow request shows where its time went.
     timings = {**(record.get("timings") or {}), "claimed": time.time()}
     try:
-        future = start(node, record_id, record["tenant"], record["request"])
+        started = start(node, record_id, record["tenant"], record["request"])
         timings["submitted"] = time.time()
-        result = wait(node, future, record_id, record_id)
+        results = wait(node, started, record_id)
         timings["generated"] = time.time()
-        fields = {"status": "cancelled" if result.finish_reason == "cancelled" else "completed",
-                  "result": outcome(result)}
+        cancelled = any(r.finish_reason == "cancelled" for r in results)
+        fields = {"status": "cancelled" if cancelled else "completed",
+                  "result": merged(results, int(record["request"].get("n") or 1))}
     except RequestFailed as exc:
         fields = {"status": "failed", "error": {"code": exc.code, "message": str(exc)}}
     except Exception as exc:  # one bad request must not take the node down
