@@ -17,7 +17,7 @@ def usage(result: dict) -> dict:
 def chat_completion(request_id: str, created: int, model: str, result: dict) -> dict:
     return {
         "id": request_id, "object": "chat.completion", "created": created, "model": model,
-        "system_fingerprint": None,
+        "system_fingerprint": result.get("system_fingerprint"),
         "choices": [{"index": i, "message": {"role": "assistant", "content": c["text"], "refusal": None},
                      "finish_reason": c["finish_reason"], "logprobs": None}
                     for i, c in enumerate(choices_of(result))],
@@ -28,6 +28,7 @@ def chat_completion(request_id: str, created: int, model: str, result: dict) -> 
 def completion(request_id: str, created: int, model: str, result: dict) -> dict:
     return {
         "id": request_id, "object": "text_completion", "created": created, "model": model,
+        "system_fingerprint": result.get("system_fingerprint"),
         "choices": [{"index": i, "text": c["text"], "finish_reason": c["finish_reason"], "logprobs": None}
                     for i, c in enumerate(choices_of(result))],
         "usage": usage(result),

@@ -74,7 +74,9 @@ class Sampling(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = None
-    attn_implementation: Attention = "sdpa"
+    # None: the engine's own fused kernels (its native path where the architecture allows). A value asks for the
+    # Hugging Face path with that attention, as loading a model with it would.
+    attn_implementation: Attention | None = None
     # Extension (as in vLLM): keep generating past end-of-sequence until the token limit (benchmarks).
     ignore_eos: bool = False
     # Extensions: load the base in bitsandbytes 4- or 8-bit, and swap in the Hub's kernels (use_kernels=True).

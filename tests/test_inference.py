@@ -65,3 +65,15 @@ def test_unavailable_hub_kernels_fail_clearly(client_a):
                                            hyperparameters={"n_epochs": 1}, extra_body={"use_kernels": True})
     job = wait_for_job(client_a, job.id)
     assert job.status == "failed" and job.error.code == "kernels_unavailable"
+
+
+def test_kernel_choices_are_honoured_and_named_in_the_response(client_a):
+    """By default the engine's own kernels serve a request; an explicit attn_implementation runs the model's own
+    forward with that attention instead (never accepted and ignored), and system_fingerprint says which."""
+    messages = [{"role": "user", "content": "Hi"}]
+    native = client_a.chat.completions.create(model="demo-tiny", messages=messages, max_tokens=3, temperature=0)
+    assert native.system_fingerprint.startswith("xpu-jobs-native-")
+    eager = client_a.chat.completions.create(model="demo-tiny", messages=messages, max_tokens=3, temperature=0,
+                                             extra_body={"attn_implementation": "eager"})
+    assert eager.system_fingerprint == "xpu-jobs-hf-eager"
+    assert eager.choices[0].message.content == native.choices[0].message.content  # the same model, greedy

@@ -13,9 +13,14 @@ from worker.engine.requests import GenerationDelta, GenerationResult, SamplingPa
 class ModelKey:
     """How a base is loaded: one loaded model (and engine) per distinct key."""
     base: str
-    attn_implementation: str = "sdpa"
+    # None: the engine's own kernels; a value (or use_kernels) runs the model's own forward with that attention
+    attn_implementation: str | None = None
     quantization: str = "none"
     use_kernels: bool = False
+
+    @property
+    def wants_hf_path(self) -> bool:
+        return self.attn_implementation is not None or self.use_kernels
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,7 @@ class Failed:
 class ModelReport:
     """One loaded model as the registry shows it; `engine` holds the engine's counters (numbers and strings)."""
     model: str
-    attn_implementation: str
+    attn_implementation: str | None
     quantization: str
     use_kernels: bool
     adapters: list[str]

@@ -54,7 +54,7 @@ class ModelCache:
                 return loaded
             try:
                 model, tokenizer = load_model_and_tokenizer(key.base, self.settings, self.backend,
-                                                            attn_implementation=key.attn_implementation,
+                                                            attn_implementation=key.attn_implementation or "sdpa",
                                                             quantization=key.quantization,
                                                             use_kernels=key.use_kernels)
             except ModelLoadError as exc:
@@ -68,7 +68,8 @@ class ModelCache:
             engine = Engine(model, tokenizer, device=devices.torch_device(self.backend),
                             memory_budget_bytes=self.settings.engine_memory_bytes,
                             max_batch_size=self.settings.engine_max_batch_size,
-                            max_seq_len=min(self.settings.engine_max_seq_len, context or 1 << 30))
+                            max_seq_len=min(self.settings.engine_max_seq_len, context or 1 << 30),
+                            native=False if key.wants_hf_path else None)
             engine.warmup()  # every batch size's decode graph now, not in the middle of someone's requests
             loaded = LoadedModel(engine, context, nbytes)
             with self._lock:
@@ -135,4 +136,17 @@ def submit(cache: ModelCache, submission: Submission,
                             f"model's context of {loaded.max_positions}.")
     request = GenerationRequest(submission.request_id, ids, params,
                                 submission.adapter.name if submission.adapter else None, stream=submission.stream)
-    return loaded.engine, loaded.engine.submit(request, on_delta)
+    future = loaded.engine.submit(request, on_delta)
+    fingerprint = served_by(submission.model, loaded.engine)
+    # Runs before the caller's own callbacks (added later), so every result leaves with it.
+    future.add_done_callback(lambda done: done.exception() or setattr(done.result(), "served_by", fingerprint))
+    return loaded.engine, future
+
+
+def served_by(key: ModelKey, engine: Engine) -> str:
+    """The path and kernels that serve a model, as responses name them in system_fingerprint: the native path
+    with its own kernels (Triton or torch ops, device graphs or not), or the model's own forward with the
+    attention and Hub kernels it was loaded with."""
+    if engine.path == "native":
+        return f"xpu-jobs-native-{engine.attention}{'-graphs' if engine.use_graphs else ''}"
+    return f"xpu-jobs-hf-{key.attn_implementation or 'sdpa'}{'-hub-kernels' if key.use_kernels else ''}"

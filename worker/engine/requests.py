@@ -37,6 +37,7 @@ class GenerationResult:
     error: str | None = None
     # an OpenAI error code for finish_reason "error" where one fits (context_length_exceeded, invalid_prompt, ...)
     error_code: str | None = None
+    served_by: str = ""  # the path and kernels that generated it (the response's system_fingerprint)
 
 
 @dataclass

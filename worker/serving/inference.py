@@ -84,7 +84,7 @@ def prepare(node: Node, request_id: str, tenant: str, request: dict) -> Submissi
     except catalog.UnknownModel as exc:
         raise RequestFailed("model_not_found", str(exc)) from None
     ids = prompt_ids(tokenizer_for(base, node.settings), request)
-    model = ModelKey(base, request.get("attn_implementation") or "sdpa", request.get("quantization") or "none",
+    model = ModelKey(base, request.get("attn_implementation"), request.get("quantization") or "none",
                      bool(request.get("use_kernels")))
     return Submission(request_id, model, adapter_of(tenant, ref, node.settings), ids, sampling_params(request))
 
@@ -113,7 +113,7 @@ def outcome(result: GenerationResult) -> dict:
         raise RequestFailed("invalid_prompt", result.error or "generation failed")
     return {"text": result.text, "finish_reason": "stop" if result.finish_reason == "cancelled"
             else result.finish_reason, "prompt_tokens": result.prompt_tokens,
-            "completion_tokens": result.completion_tokens}
+            "completion_tokens": result.completion_tokens, "system_fingerprint": result.served_by}
 
 
 def merged(results: list[GenerationResult], n: int) -> dict:
