@@ -21,6 +21,7 @@ def test_doctor_reports_this_machine_truthfully():
         assert checks["collectives"] == {"name": "collectives", "status": OK,
                                          "detail": "gloo: a one-process all_reduce on cpu", "fix": ""}
     assert checks["bitsandbytes 4-bit"]["status"] == OK
+    assert checks["engine"]["status"] == OK and checks["engine"]["detail"].startswith("native path")
     assert result.returncode == (1 if any(c["status"] == FAIL for c in checks.values()) else 0)
 
 

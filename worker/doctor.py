@@ -257,6 +257,53 @@ def check_collectives(backend: str) -> Check:
     return Check("collectives", OK, f"{name}: a one-process all_reduce on {device}")
 
 
+ENGINE_PROBE = """
+import json, tempfile, torch
+from pathlib import Path
+from contract.settings import Settings
+from worker.demo_model import build_demo_model
+from worker.engine.messages import ModelKey
+from worker.engine.model_cache import ModelCache
+from worker.engine.requests import GenerationRequest, SamplingParams
+
+backend = %r
+root = Path(tempfile.mkdtemp())
+build_demo_model(root / "demo-tiny")
+cache = ModelCache(Settings(models_root=root, base_models=["demo-tiny"]), backend)
+engine = cache.get(ModelKey("demo-tiny")).engine
+prompts = [[5, 9, 13, 2, 7], [11, 3, 8]]
+results = engine.generate([GenerationRequest(f"r{i}", p, SamplingParams(max_new_tokens=8, temperature=0,
+                                                                        ignore_eos=True))
+                           for i, p in enumerate(prompts)])
+model = engine.model
+same = 0
+for p, r in zip(prompts, results):
+    ids = torch.tensor([p], device=model.device)
+    ref = model.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, len(p):].tolist()
+    same += ref == r.output_ids
+stats = engine.stats
+cache.close()
+print(json.dumps({"path": stats.get("path"), "kernels": stats.get("kernels"), "reason": stats.get("fallback_reason"),
+                  "graphs": stats.get("graphs_captured", 0), "same": same, "of": len(prompts),
+                  "dtype": str(next(model.parameters()).dtype)}))
+"""
+
+
+def check_engine(backend: str) -> Check:
+    result, error = probe(ENGINE_PROBE % backend)
+    if result is None:
+        return Check("engine", FAIL, f"the engine did not run the demo model: {error}",
+                     "see the worker log; inference would fail the same way")
+    detail = (f"{result['path']} path, {result['kernels'] or 'model forward'} kernels, {result['graphs']} device "
+              f"graphs captured; greedy tokens equal generate's for {result['same']} of {result['of']} prompts "
+              f"({result['dtype']})")
+    if result["path"] != "native":
+        return Check("engine", WARN, f"{detail}; not native: {result['reason']}",
+                     "the fallback path is slower: check the Triton kernel above")
+    status = OK if result["same"] == result["of"] or "float32" not in result["dtype"] else FAIL
+    return Check("engine", status, detail, "" if status == OK else "the native path computes wrong tokens here")
+
+
 def run_checks(backend: str, devices: str | None) -> list[Check]:
     from worker.hardware import detect
 
@@ -264,7 +311,7 @@ def run_checks(backend: str, devices: str | None) -> list[Check]:
     checks = [check_driver(intel_gpu)]
     checks += check_torch(backend, devices, intel_gpu)
     checks += [check_pinning(backend, devices), check_kernels(backend), check_triton(backend),
-               check_bitsandbytes(backend), check_collectives(backend)]
+               check_bitsandbytes(backend), check_collectives(backend), check_engine(backend)]
     return checks
 
 
