@@ -7,6 +7,7 @@ from celery import Celery
 from fastapi import Depends, Header, Request
 
 from api.errors import APIError
+from api.tenant_limits import TenantLimiter
 from contract.records import RecordStore
 from contract.settings import Settings
 
@@ -27,8 +28,18 @@ def get_celery(request: Request) -> Celery:
     return request.app.state.celery
 
 
-def get_tenant(settings: Annotated[Settings, Depends(get_settings)],
+def get_limiter(request: Request) -> TenantLimiter:
+    return request.app.state.limiter
+
+
+def get_tenant(request: Request, settings: Annotated[Settings, Depends(get_settings)],
                authorization: Annotated[str | None, Header()] = None) -> str:
+    tenant = _authenticate(settings, authorization)
+    request.app.state.limiter.check_rate(tenant)  # every call of the tenant counts
+    return tenant
+
+
+def _authenticate(settings: Settings, authorization: str | None) -> str:
     if settings.open_mode and not settings.api_keys:
         return "local"
     if not authorization or not authorization.lower().startswith("bearer "):
@@ -45,3 +56,4 @@ StoreDep = Annotated[RecordStore, Depends(get_store)]
 RedisDep = Annotated[redis.Redis, Depends(get_redis)]
 CeleryDep = Annotated[Celery, Depends(get_celery)]
 TenantDep = Annotated[str, Depends(get_tenant)]
+LimiterDep = Annotated[TenantLimiter, Depends(get_limiter)]

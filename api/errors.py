@@ -10,9 +10,11 @@ _TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
 
 
 def not_found(kind: str, object_id: str, param: str | None = None) -> APIError:
@@ -31,7 +33,8 @@ def _body(status: int, message: str, param: str | None, code: str | None) -> dic
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
-        return JSONResponse(_body(exc.status, exc.message, exc.param, exc.code), status_code=exc.status)
+        return JSONResponse(_body(exc.status, exc.message, exc.param, exc.code), status_code=exc.status,
+                            headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):

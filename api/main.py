@@ -7,6 +7,7 @@ from fastapi import FastAPI
 
 from api import errors, metrics
 from api.routes import batches, chat, completions, files, fine_tuning, models, responses, workers
+from api.tenant_limits import TenantLimiter
 from contract.queues import make_celery
 from contract.records import RecordStore
 from contract.redis_conn import async_client, sync_client
@@ -28,6 +29,7 @@ def create_app(settings: Settings | None = None) -> errors.DeclaredBodyLimit:
         app.state.store = RecordStore(sync_client(settings))
         app.state.aioredis = async_client(settings)
         app.state.celery = make_celery(settings)
+        app.state.limiter = TenantLimiter(settings)
         # What startup loaded stays for good: exempt it from the cyclic collector's full passes.
         gc.collect()
         gc.freeze()

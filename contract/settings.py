@@ -3,7 +3,17 @@
 from pathlib import Path
 from typing import Literal
 
+from pydantic import BaseModel, ConfigDict
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class TenantLimits(BaseModel):
+    """One tenant's own limits; a field left out takes the service-wide setting of the same name."""
+    model_config = ConfigDict(extra="forbid")
+
+    requests_per_minute: int | None = None
+    max_active_jobs: int | None = None
+    max_stored_bytes: int | None = None
 
 
 class Settings(BaseSettings):
@@ -67,8 +77,21 @@ class Settings(BaseSettings):
     # Port of a worker node's Prometheus endpoint (/metrics); 0 = any free port. The node publishes the one it
     # bound in /v1/workers (metrics_port). Several device groups under one launcher take port, port+1, ...
     worker_metrics_port: int = 0
+    # Limits per tenant (0 = none): API calls per minute (a moving window, over all API processes), fine-tuning
+    # jobs and batches not yet ended, and bytes of stored files. A tenant over one gets OpenAI's 429.
+    requests_per_minute: int = 0
+    max_active_jobs: int = 0
+    max_stored_bytes: int = 0
+    # Per-tenant overrides, e.g. {"acme": {"requests_per_minute": 600, "max_active_jobs": 4}}.
+    tenant_limits: dict[str, TenantLimits] = {}
+
     # A bearer token the API's /metrics asks for (it shows every tenant's running jobs); empty: no token.
     metrics_key: str = ""
+
+    def limit(self, tenant: str, name: str) -> int:
+        """A tenant's limit `name` (0 = none): its own when tenant_limits sets one, else the service-wide one."""
+        own = getattr(self.tenant_limits.get(tenant), name, None)
+        return getattr(self, name) if own is None else own
 
     def ensure_dirs(self) -> None:
         self.artifact_root.mkdir(parents=True, exist_ok=True)

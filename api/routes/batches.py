@@ -8,7 +8,7 @@ from fastapi import APIRouter, Header, Query, Request
 from pydantic import BaseModel
 
 from api import event_stream
-from api.deps import CeleryDep, RedisDep, SettingsDep, StoreDep, TenantDep
+from api.deps import CeleryDep, LimiterDep, RedisDep, SettingsDep, StoreDep, TenantDep
 from api.errors import APIError, invalid, not_found
 from api.routes.files import get_file
 from contract import batches, events
@@ -82,7 +82,9 @@ def _model_of(line: str) -> str | None:
 
 @router.post("")
 def create_batch(body: BatchCreate, tenant: TenantDep, settings: SettingsDep, store: StoreDep, celery: CeleryDep,
-                 redis: RedisDep, idempotency_key: Annotated[str | None, Header(max_length=256)] = None):
+                 redis: RedisDep, limiter: LimiterDep,
+                 idempotency_key: Annotated[str | None, Header(max_length=256)] = None):
+    limiter.check_active_jobs(store, tenant)
     source = get_file(store, body.input_file_id, tenant, "input_file_id")
     if source["purpose"] != "batch":
         raise invalid(f"File '{body.input_file_id}' has purpose '{source['purpose']}', not 'batch'.",

@@ -6,8 +6,9 @@ from typing import Annotated
 from fastapi import APIRouter, Form, Query, UploadFile
 from fastapi.responses import FileResponse
 
-from api.deps import SettingsDep, StoreDep, TenantDep
+from api.deps import LimiterDep, SettingsDep, StoreDep, TenantDep
 from api.errors import APIError, invalid, not_found
+from api.tenant_limits import storage_refused
 from contract.layout import file_path, safe_name
 from contract.records import RecordStore, new_id, now
 from contract.training_data import parse_jsonl
@@ -33,9 +34,10 @@ def get_file(store: RecordStore, file_id: str, tenant: str, param: str | None = 
 
 @router.post("")
 async def upload_file(file: UploadFile, purpose: Annotated[str, Form()], tenant: TenantDep,
-                      settings: SettingsDep, store: StoreDep):
+                      settings: SettingsDep, store: StoreDep, limiter: LimiterDep):
     if purpose not in UPLOAD_PURPOSES:
         raise invalid(f"purpose must be one of {sorted(UPLOAD_PURPOSES)}, not '{purpose}'.", param="purpose")
+    storage_left = limiter.storage_left(store, tenant)
     file_id = new_id("file")
     path = file_path(settings.artifact_root, tenant, file_id)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -49,6 +51,8 @@ async def upload_file(file: UploadFile, purpose: Annotated[str, Form()], tenant:
                 if size > settings.max_upload_bytes:
                     raise APIError(413, f"The file is larger than the limit of {settings.max_upload_bytes} bytes.",
                                    param="file", code="file_too_large")
+                if storage_left is not None and size > storage_left:
+                    raise storage_refused(settings.limit(tenant, "max_stored_bytes"))
                 out.write(chunk)
         if size == 0:
             raise invalid("The file is empty.", param="file")

@@ -7,7 +7,7 @@ from fastapi import APIRouter, Header, Query, Request
 
 from api import event_stream
 from api.catalog import resolve
-from api.deps import CeleryDep, RedisDep, SettingsDep, StoreDep, TenantDep
+from api.deps import CeleryDep, LimiterDep, RedisDep, SettingsDep, StoreDep, TenantDep
 from api.errors import APIError, invalid, not_found
 from api.protocol.fine_tuning import FineTuningJobCreate, Hyperparameters
 from api.routes.files import get_file
@@ -72,8 +72,9 @@ def _check_training_file(store, settings, tenant: str, file_id: str, param: str)
 
 @router.post("")
 def create_job(body: FineTuningJobCreate, tenant: TenantDep, settings: SettingsDep, store: StoreDep,
-               celery: CeleryDep, redis: RedisDep,
+               celery: CeleryDep, redis: RedisDep, limiter: LimiterDep,
                idempotency_key: Annotated[str | None, Header(max_length=256)] = None):
+    limiter.check_active_jobs(store, tenant)
     base, ref = resolve(body.model, tenant, settings, store)
     if ref is not None:
         raise invalid("Fine-tuning a fine-tuned model is not supported; name its base model.", param="model")
