@@ -1,5 +1,6 @@
 """Dependencies shared by the routers: settings, the record store, Redis, Celery, and the caller's tenant."""
 
+import hmac
 from typing import Annotated
 
 import redis
@@ -32,6 +33,23 @@ def get_limiter(request: Request) -> TenantLimiter:
     return request.app.state.limiter
 
 
+def _matching(given: str, keys) -> str | None:
+    """The key equal to `given`, compared in constant time against every key (no early exit), so the time
+    taken says nothing about how much of a key was right."""
+    found = None
+    for key in keys:
+        if hmac.compare_digest(given.encode(), key.encode()):
+            found = key
+    return found
+
+
+def _bearer(authorization: str | None) -> str:
+    if not authorization or not authorization.lower().startswith("bearer "):
+        raise APIError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
+                       code="missing_api_key")
+    return authorization[7:].strip()
+
+
 def get_tenant(request: Request, settings: Annotated[Settings, Depends(get_settings)],
                authorization: Annotated[str | None, Header()] = None) -> str:
     tenant = _authenticate(settings, authorization)
@@ -42,13 +60,19 @@ def get_tenant(request: Request, settings: Annotated[Settings, Depends(get_setti
 def _authenticate(settings: Settings, authorization: str | None) -> str:
     if settings.open_mode and not settings.api_keys:
         return "local"
-    if not authorization or not authorization.lower().startswith("bearer "):
-        raise APIError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
-                       code="missing_api_key")
-    tenant = settings.api_keys.get(authorization[7:].strip())
-    if tenant is None:
+    key = _matching(_bearer(authorization), settings.api_keys)
+    if key is None:
         raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
-    return tenant
+    return settings.api_keys[key]
+
+
+def get_viewer(request: Request, settings: Annotated[Settings, Depends(get_settings)],
+               authorization: Annotated[str | None, Header()] = None) -> str | None:
+    """For operator views: None for an admin key (everything), else the caller's tenant (its own part)."""
+    if authorization and settings.admin_api_keys and \
+            _matching(_bearer(authorization), settings.admin_api_keys) is not None:
+        return None
+    return get_tenant(request, settings, authorization)
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
@@ -57,3 +81,4 @@ RedisDep = Annotated[redis.Redis, Depends(get_redis)]
 CeleryDep = Annotated[Celery, Depends(get_celery)]
 TenantDep = Annotated[str, Depends(get_tenant)]
 LimiterDep = Annotated[TenantLimiter, Depends(get_limiter)]
+ViewerDep = Annotated[str | None, Depends(get_viewer)]

@@ -29,7 +29,10 @@ def stream(request: Request, job_id: str, object_name: str, after: str | None,
            status_of: Callable[[], str | None]) -> EventSourceResponse:
     """status_of: the record's current status (called in a thread: it reads Redis synchronously)."""
     resume = request.headers.get("last-event-id") or after
-    start = events.entry_id(resume) if resume else "0-0"
+    try:
+        start = events.entry_id(resume) if resume else "0-0"
+    except events.BadEventId:
+        start = ""
     if not _ENTRY.fullmatch(start):
         raise invalid(f"'{resume}' is not an event id of this job.",
                       param="Last-Event-ID" if request.headers.get("last-event-id") else "after")

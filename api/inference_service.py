@@ -37,8 +37,7 @@ def submit(kind: str, tenant: str, request: dict, *, settings: Settings, store: 
         "adapter_step": ref.checkpoint_step if ref else None, "request": request, "queue": queue,
         **(extra or {}),
     }
-    store.create(kind, record)
-    store.track(kind, record["id"])
+    store.create(kind, record, track=True)
     publish(celery, store, kind, record["id"], queue)
     return record
 

@@ -14,7 +14,7 @@ from contract.redis_conn import async_client, sync_client
 from contract.settings import Settings
 
 
-def create_app(settings: Settings | None = None) -> errors.DeclaredBodyLimit:
+def create_app(settings: Settings | None = None) -> errors.BodyLimits:
     settings = settings or Settings()
     if not settings.redis_url:
         raise RuntimeError("XPUJOBS_REDIS_URL is not set (`xpu-jobs up` starts an embedded Redis and sets it)")
@@ -48,8 +48,11 @@ def create_app(settings: Settings | None = None) -> errors.DeclaredBodyLimit:
 
     @app.get("/health", include_in_schema=False)
     def health():
-        app.state.store.redis.ping()
-        return {"status": "ok"}
+        try:
+            app.state.store.redis.ping()
+        except errors.OUTAGES:
+            return errors.outage_response()
+        return {"status": "ok", "redis": "ok"}
 
-    # Outermost, so a declared oversize body gets OpenAI's error shape before FastAPI's own limit answers.
-    return errors.DeclaredBodyLimit(app, body_limit)
+    # Outermost, so an oversize body gets OpenAI's error shape before FastAPI's own limit answers.
+    return errors.BodyLimits(app, body_limit, settings.max_json_body_bytes)

@@ -4,7 +4,10 @@ A stream entry's id doubles as the event id, so clients page with `after` and re
 """
 
 import json
+import re
+import threading
 import time
+from contextlib import contextmanager
 from typing import Any
 
 import redis
@@ -20,7 +23,16 @@ def event_id(entry_id: str) -> str:
     return "ftevent-" + entry_id.replace("-", "_")
 
 
+_EVENT_ID = re.compile(r"ftevent-[0-9]{1,20}_[0-9]{1,20}")
+
+
+class BadEventId(ValueError):
+    """An `after` cursor that is not an event id this service gave out."""
+
+
 def entry_id(event_id_: str) -> str:
+    if not _EVENT_ID.fullmatch(event_id_):
+        raise BadEventId(f"'{event_id_}' is not an event id (ftevent-<digits>_<digits>).")
     return event_id_.removeprefix("ftevent-").replace("_", "-")
 
 
@@ -48,7 +60,8 @@ def _to_event(entry: str, fields: dict[str, str]) -> dict[str, Any]:
 
 
 def read_newest_first(client: redis.Redis, job_id: str, after: str | None, limit: int) -> tuple[list[dict], bool]:
-    """OpenAI's order: newest first; `after` is the id of the last event of the previous page."""
+    """OpenAI's order: newest first; `after` is the id of the last event of the previous page (BadEventId if it
+    is not an event id)."""
     top = "+"
     if after:
         top = "(" + entry_id(after)
@@ -112,6 +125,30 @@ _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL
 def release_lease(client: redis.Redis, job_id: str, holder: str) -> None:
     """Drop the lease only if `holder` still holds it: a requeued job's new holder keeps its own."""
     client.eval(_RELEASE, 1, lease_key(job_id), holder)
+
+
+@contextmanager
+def lease_held(client: redis.Redis, job_id: str, holder: str, seconds: float):
+    """Hold a job's lease while the body runs (renewed from a thread, however long the body takes), released
+    at the end. If the process dies, the lease lapses within `seconds` and the reconciler takes over."""
+    refresh_lease(client, job_id, holder, seconds)
+    stop = threading.Event()
+
+    def renew():
+        while not stop.wait(seconds / 3):
+            try:
+                refresh_lease(client, job_id, holder, seconds)
+            except redis.RedisError:
+                pass  # Redis away: the body fails on its own calls; try again next round
+
+    thread = threading.Thread(target=renew, name=f"lease-{job_id}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        release_lease(client, job_id, holder)
 
 
 def done_key(request_id: str) -> str:

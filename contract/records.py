@@ -70,8 +70,10 @@ class RecordStore:
         self.redis = client
         self._cas = client.register_script(_CAS)
 
-    def create(self, kind: str, record: dict[str, Any], idempotency_key: str | None = None) -> tuple[dict, bool]:
-        """Store a new record; with an idempotency key already used, return the first record instead.
+    def create(self, kind: str, record: dict[str, Any], idempotency_key: str | None = None, *,
+               track: bool = False) -> tuple[dict, bool]:
+        """Store a new record; with an idempotency key already used, return the first record instead. With
+        track, the record is watched by the reconciler from the moment it exists (one transaction).
 
         Returns (record, created).
         """
@@ -86,8 +88,18 @@ class RecordStore:
         pipe = self.redis.pipeline()
         pipe.hset(_key(kind, record["id"]), mapping=_encode(record))
         pipe.zadd(_index(kind, tenant), {record["id"]: time.time()})
+        if track:
+            pipe.sadd(f"active:{kind}", record["id"])
         pipe.execute()
         return record, True
+
+    def create_many(self, kind: str, records: list[dict[str, Any]]) -> None:
+        """Store new records in one round trip (no idempotency keys, not tracked)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for record in records:
+            pipe.hset(_key(kind, record["id"]), mapping=_encode(record))
+            pipe.zadd(_index(kind, record["tenant"]), {record["id"]: time.time()})
+        pipe.execute()
 
     def get(self, kind: str, record_id: str | None, tenant: str | None = None) -> dict | None:
         """The record, or None when it does not exist or belongs to another tenant."""
@@ -107,12 +119,42 @@ class RecordStore:
             pipe.hgetall(_key(kind, record_id))
         return [{k: json.loads(v) for k, v in raw.items()} if raw else None for raw in pipe.execute()]
 
+    def tenants(self, refs: list[tuple[str, str]]) -> list[str | None]:
+        """The tenant owning each (kind, record id), in one round trip (None where there is no such record)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for kind, record_id in refs:
+            pipe.hget(_key(kind, record_id), "tenant")
+        return [json.loads(t) if t else None for t in pipe.execute()]
+
     def update(self, kind: str, record_id: str, fields: dict[str, Any]) -> None:
         self.redis.hset(_key(kind, record_id), mapping=_encode(fields))
 
     def transition(self, kind: str, record_id: str, from_status: Iterable[str], fields: dict[str, Any]) -> bool:
         """Apply fields (normally a new status) only if the current status is one of from_status."""
         return bool(self._cas(keys=[_key(kind, record_id)], args=[*from_status, json.dumps(_encode(fields))]))
+
+    def transition_and_track(self, kind: str, record_id: str, from_status: Iterable[str], fields: dict[str, Any],
+                             track: dict[str, list[str]]) -> bool:
+        """transition, and in the same transaction hand records (kind -> ids) to the reconciler: either the
+        status changes and they are tracked, or neither happens."""
+        key, allowed = _key(kind, record_id), set(from_status)
+        with self.redis.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(key)
+                    current = pipe.hget(key, "status")
+                    if current is None or json.loads(current) not in allowed:
+                        pipe.unwatch()
+                        return False
+                    pipe.multi()
+                    pipe.hset(key, mapping=_encode(fields))
+                    for tracked_kind, ids in track.items():
+                        if ids:
+                            pipe.sadd(f"active:{tracked_kind}", *ids)
+                    pipe.execute()
+                    return True
+                except redis.WatchError:
+                    continue
 
     def incr(self, kind: str, record_id: str, field: str, amount: int = 1) -> int:
         """Atomically add to an integer field (stored as JSON, so a plain integer string)."""
@@ -129,6 +171,14 @@ class RecordStore:
         pipe = self.redis.pipeline()
         pipe.delete(_key(kind, record_id))
         pipe.zrem(_index(kind, tenant), record_id)
+        pipe.execute()
+
+    def delete_many(self, kind: str, record_ids: list[str], tenant: str) -> None:
+        if not record_ids:
+            return
+        pipe = self.redis.pipeline()
+        pipe.delete(*[_key(kind, r) for r in record_ids])
+        pipe.zrem(_index(kind, tenant), *record_ids)
         pipe.execute()
 
     def page(self, kind: str, tenant: str, after: str | None = None, limit: int = 20) -> tuple[list[dict], bool]:

@@ -1,14 +1,37 @@
-"""Redis clients for the shared keyspace."""
+"""Redis clients for the shared keyspace.
+
+Both kinds take connections from a blocking pool (a burst waits for a free connection instead of failing once
+the pool is spent), check idle connections before use and retry a command briefly on a dropped connection, so
+they recover by themselves after a Redis restart. A longer outage surfaces as redis.ConnectionError.
+"""
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from contract.settings import Settings
 
+RETRIES = 3
+HEALTH_CHECK_SECONDS = 5
+
+
+def _backoff() -> ExponentialBackoff:
+    return ExponentialBackoff(cap=0.5, base=0.05)
+
 
 def sync_client(settings: Settings) -> redis.Redis:
-    return redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    pool = redis.BlockingConnectionPool.from_url(
+        settings.redis_url, decode_responses=True, max_connections=settings.redis_max_connections,
+        timeout=settings.redis_pool_timeout_seconds, health_check_interval=HEALTH_CHECK_SECONDS,
+        socket_connect_timeout=5, socket_keepalive=True, retry=Retry(_backoff(), RETRIES))
+    return redis.Redis(connection_pool=pool)
 
 
 def async_client(settings: Settings) -> aioredis.Redis:
-    return aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+    pool = aioredis.BlockingConnectionPool.from_url(
+        settings.redis_url, decode_responses=True, max_connections=settings.redis_max_connections,
+        timeout=settings.redis_pool_timeout_seconds, health_check_interval=HEALTH_CHECK_SECONDS,
+        socket_connect_timeout=5, socket_keepalive=True, retry=AsyncRetry(_backoff(), RETRIES))
+    return aioredis.Redis(connection_pool=pool)

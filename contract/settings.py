@@ -37,7 +37,14 @@ class Settings(BaseSettings):
     api_keys: dict[str, str] = {}
     # Local use only: no keys, everything belongs to the tenant "local".
     open_mode: bool = False
+    # Operators' keys: /v1/workers shows them every tenant's jobs and adapters (a tenant sees only its own).
+    admin_api_keys: list[str] = []
     max_upload_bytes: int = 512 * 1024 * 1024
+    # JSON request bodies (everything but file uploads) have their own, much smaller limit.
+    max_json_body_bytes: int = 8 * 1024 * 1024
+    # Redis connections per process; beyond them a call waits (up to redis_pool_timeout_seconds) for a free one.
+    redis_max_connections: int = 100
+    redis_pool_timeout_seconds: float = 30.0
     # How long a synchronous call (chat completions, responses without background) waits.
     request_timeout_seconds: float = 300.0
     # API processes. The API keeps no state of its own (it is all in Redis), and one process handles one request
@@ -64,6 +71,8 @@ class Settings(BaseSettings):
     # learning_rate = base_learning_rate * learning_rate_multiplier
     base_learning_rate: float = 2e-4
     checkpoint_steps: int = 20
+    # The most optimizer steps a job may ask for (max_steps, checkpoint_steps).
+    max_training_steps: int = 100_000
     # Training processes per fine-tune (data parallel): 0 = one per device of the worker (one on cpu).
     training_processes: int = 0
     default_n_epochs: int = 3

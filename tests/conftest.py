@@ -16,7 +16,7 @@ import pytest
 from worker.demo_model import build_demo_model
 from worker.node.redis_server import free_port, start_redis
 
-KEY_A, KEY_B = "key-tenant-a", "key-tenant-b"
+KEY_A, KEY_B, KEY_ADMIN = "key-tenant-a", "key-tenant-b", "key-operator"
 # cpu everywhere by default; XPUJOBS_TEST_BACKEND=cuda (or xpu) runs the same suite on a GPU machine.
 TEST_BACKEND = os.environ.get("XPUJOBS_TEST_BACKEND", "cpu")
 
@@ -46,6 +46,7 @@ def stack_env(stack_dir, redis_url) -> dict[str, str]:
         "XPUJOBS_MODELS_ROOT": str(models),
         "XPUJOBS_BASE_MODELS": json.dumps(["demo-tiny"]),
         "XPUJOBS_API_KEYS": json.dumps({KEY_A: "tenant-a", KEY_B: "tenant-b"}),
+        "XPUJOBS_ADMIN_API_KEYS": json.dumps([KEY_ADMIN]),
         "XPUJOBS_DEVICE_BACKEND": TEST_BACKEND,
         "XPUJOBS_LEASE_SECONDS": "4",
         "XPUJOBS_HEARTBEAT_SECONDS": "1",

@@ -92,14 +92,16 @@ def test_negative_token_counts(client_a):
     assert_openai_error(exc.value, 400)
 
 
-def test_invalid_training_lines_fail_the_job_with_line_numbers(client_a):
+def test_invalid_training_lines_are_refused_with_line_numbers(client_a):
     lines = [GOOD, json.dumps({"messages": [{"role": "user", "content": "no answer"}]}).encode(),
              json.dumps({"text": "wrong shape"}).encode()]
     upload = client_a.files.create(file=("mixed.jsonl", b"\n".join(lines)), purpose="fine-tune")
-    job = client_a.fine_tuning.jobs.create(model="demo-tiny", training_file=upload.id)
-    assert job.status == "failed"
-    assert job.error.code == "invalid_training_file"
-    assert "line 2" in job.error.message and "line 3" in job.error.message
+    before = job_ids(client_a)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client_a.fine_tuning.jobs.create(model="demo-tiny", training_file=upload.id)
+    assert exc.value.response.json()["error"]["code"] == "invalid_training_file"
+    assert "line 2" in exc.value.message and "line 3" in exc.value.message
+    assert job_ids(client_a) == before
 
 
 def test_wrong_file_purpose_and_missing_file(client_a):
@@ -160,8 +162,9 @@ def test_text_that_is_not_unicode(client_a, http_a):
     assert reply.status_code == 400 and "Unicode" in reply.json()["error"]["message"]
     lines = GOOD + b'\n{"prompt": "a\\udcff", "completion": "b"}'
     upload = client_a.files.create(file=("surrogate.jsonl", lines), purpose="fine-tune")
-    job = client_a.fine_tuning.jobs.create(model="demo-tiny", training_file=upload.id)
-    assert job.status == "failed" and "line 2" in job.error.message and "Unicode" in job.error.message
+    with pytest.raises(openai.BadRequestError) as exc:
+        client_a.fine_tuning.jobs.create(model="demo-tiny", training_file=upload.id)
+    assert "line 2" in exc.value.message and "Unicode" in exc.value.message
 
 
 def test_metadata_limits(client_a):

@@ -1,43 +1,43 @@
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field, StringConstraints
 
+from api.protocol.base import StrictModel
 from contract.inference_requests import Metadata
 
 Auto = Literal["auto"]
 
 
-class Hyperparameters(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Hyperparameters(StrictModel):
     n_epochs: int | Auto = Field("auto", description="int 1-50")
     batch_size: int | Auto = "auto"
     learning_rate_multiplier: float | Auto = "auto"
 
 
-class Supervised(BaseModel):
+class Supervised(StrictModel):
     hyperparameters: Hyperparameters | None = None
 
 
-class Method(BaseModel):
+class Method(StrictModel):
     type: Literal["supervised"] = "supervised"
     supervised: Supervised | None = None
 
 
-class LoraOptions(BaseModel):
+class LoraOptions(StrictModel):
     """Extension: the LoRA adapter's shape."""
-    model_config = ConfigDict(extra="forbid")
     r: int = Field(16, ge=1, le=512)
     alpha: int = Field(32, ge=1, le=4096)
     dropout: float = Field(0.05, ge=0.0, lt=1.0)
-    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    target_modules: list[Annotated[str, StringConstraints(max_length=128)]] | Literal["all-linear"] = \
+        Field("all-linear", max_length=64)
 
 
-class FineTuningJobCreate(BaseModel):
-    model: str
-    training_file: str
-    validation_file: str | None = None
+class FineTuningJobCreate(StrictModel):
+    model: Annotated[str, StringConstraints(max_length=256)]
+    training_file: Annotated[str, StringConstraints(max_length=64)]
+    validation_file: Annotated[str, StringConstraints(max_length=64)] | None = None
     suffix: str | None = Field(None, max_length=64)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**31 - 1)
     metadata: Metadata | None = None
     hyperparameters: Hyperparameters | None = None
     method: Method | None = None

@@ -2,14 +2,16 @@
 and the batch's event stream (extension)."""
 
 import json
+import os
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Header, Query, Request
-from pydantic import BaseModel
+from pydantic import StringConstraints
 
 from api import event_stream
 from api.deps import CeleryDep, LimiterDep, RedisDep, SettingsDep, StoreDep, TenantDep
 from api.errors import APIError, invalid, not_found
+from api.protocol.base import StrictModel
 from api.routes.files import get_file
 from contract import batches, events
 from contract.inference_requests import Metadata
@@ -25,8 +27,8 @@ router = APIRouter(prefix="/v1/batches", tags=["batches"])
 WINDOW_SECONDS = 24 * 3600
 
 
-class BatchCreate(BaseModel):
-    input_file_id: str
+class BatchCreate(StrictModel):
+    input_file_id: Annotated[str, StringConstraints(max_length=64)]
     endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"]
     completion_window: Literal["24h"]
     metadata: Metadata | None = None
@@ -103,38 +105,53 @@ def create_batch(body: BatchCreate, tenant: TenantDep, settings: SettingsDep, st
     record = {"id": new_id("batch"), "tenant": tenant, "status": "validating", "endpoint": body.endpoint,
               "input_file_id": body.input_file_id, "metadata": body.metadata, "created_at": created,
               "expires_at": created + WINDOW_SECONDS, "queue": queue}
-    record, fresh = store.create("batch", record, idempotency_key)
-    if not fresh:
-        return to_openai(store, record)
-    batch_id = record["id"]
+    # The creating process holds a lease while it validates and splits: if it dies, the lease lapses and the
+    # reconciler fails the batch (it is tracked from the start); nothing of it has run.
+    with events.lease_held(redis, record["id"], f"api:{os.getpid()}", settings.lease_seconds):
+        record, fresh = store.create("batch", record, idempotency_key, track=True)
+        if not fresh:
+            return to_openai(store, record)
+        return _validate_and_split(record["id"], body, tenant, created, chunk_queues, settings, store, celery,
+                                   redis)
+
+
+def _validate_and_split(batch_id: str, body: BatchCreate, tenant: str, created: int, chunk_queues: list[str],
+                        settings, store, celery, redis) -> dict:
     events.emit(redis, batch_id, "Validating input file", data={"status": "validating"})
     lines, errors = _validation_errors(file_path(settings.artifact_root, tenant, body.input_file_id).read_bytes())
     if errors:
         data = [{"code": "invalid_request", "line": int(e.split(":")[0][5:]) if e.startswith("line ") else None,
                  "message": e, "param": "input_file_id"} for e in errors]
-        store.update("batch", batch_id, {"status": "failed", "failed_at": now(),
-                                         "errors": {"object": "list", "data": data}})
-        events.emit(redis, batch_id, "Batch failed validation: " + "; ".join(errors[:5]), level="error",
-                    data={"status": "failed"})
+        if store.transition("batch", batch_id, ["validating"], {"status": "failed", "failed_at": now(),
+                                                                 "errors": {"object": "list", "data": data}}):
+            store.untrack("batch", batch_id)
+            events.emit(redis, batch_id, "Batch failed validation: " + "; ".join(errors[:5]), level="error",
+                        data={"status": "failed"})
         return to_openai(store, store.get("batch", batch_id))
 
     first_model = next(filter(None, (_model_of(text) for _, text in lines)), None)
     size = settings.batch_chunk_lines
     n_chunks = (len(lines) + size - 1) // size
+    chunk_ids = [batches.chunk_id(batch_id, index) for index in range(n_chunks)]
     for index in range(n_chunks):
         batches.write_chunk_input(settings.artifact_root, tenant, batch_id, index,
                                   lines[index * size:(index + 1) * size])
-        store.create("chunk", {"id": batches.chunk_id(batch_id, index), "tenant": tenant, "batch_id": batch_id,
-                               "index": index, "status": "queued", "queue": chunk_queues[index % len(chunk_queues)],
-                               "attempts": 0, "created_at": created})
-        store.track("chunk", batches.chunk_id(batch_id, index))  # from now on the reconciler publishes it
-    store.update("batch", batch_id, {"status": "in_progress", "in_progress_at": now(), "total": len(lines),
-                                     "n_chunks": n_chunks, "chunks_settled": 0, "model": first_model})
-    store.track("batch", batch_id)
+    store.create_many("chunk", [{"id": chunk_ids[index], "tenant": tenant, "batch_id": batch_id, "index": index,
+                                 "status": "queued", "queue": chunk_queues[index % len(chunk_queues)],
+                                 "attempts": 0, "created_at": created} for index in range(n_chunks)])
+    # One transaction: the batch is in progress with its chunk count and the reconciler owns its chunks (it
+    # publishes any this process does not get to), or, cancelled meanwhile, none of them ever runs.
+    started = store.transition_and_track(
+        "batch", batch_id, ["validating"], {"status": "in_progress", "in_progress_at": now(), "total": len(lines),
+                                            "n_chunks": n_chunks, "chunks_settled": 0, "model": first_model},
+        {"chunk": chunk_ids})
+    if not started:  # cancelled, or failed by the reconciler: its chunks go
+        store.delete_many("chunk", chunk_ids, tenant)
+        return to_openai(store, store.get("batch", batch_id))
     events.emit(redis, batch_id, f"Batch in progress: {len(lines)} requests in {n_chunks} chunks",
                 data={"status": "in_progress"})
     for index in range(n_chunks):
-        publish(celery, store, "chunk", batches.chunk_id(batch_id, index), chunk_queues[index % len(chunk_queues)])
+        publish(celery, store, "chunk", chunk_ids[index], chunk_queues[index % len(chunk_queues)])
     return to_openai(store, store.get("batch", batch_id))
 
 
@@ -162,11 +179,20 @@ def retrieve_batch(batch_id: str, tenant: TenantDep, store: StoreDep):
 @router.post("/{batch_id}/cancel")
 def cancel_batch(batch_id: str, tenant: TenantDep, settings: SettingsDep, store: StoreDep, redis: RedisDep):
     record = get_batch(store, batch_id, tenant)
-    if record["status"] not in ("validating", "in_progress"):
+    if record["status"] == "cancelling":
+        return to_openai(store, record)
+    # Still validating: nothing of it has run, and its creator's final step (a compare-and-set) will not start it.
+    if store.transition("batch", batch_id, ["validating"], {"status": "cancelled", "cancelled_at": now()}):
+        store.untrack("batch", batch_id)
+        events.emit(redis, batch_id, "Batch cancelled before it started", data={"status": "cancelled"})
+        return to_openai(store, get_batch(store, batch_id, tenant))
+    if not store.transition("batch", batch_id, ["in_progress"], {"status": "cancelling", "cancelling_at": now()}):
+        record = get_batch(store, batch_id, tenant)
+        if record["status"] == "cancelling":
+            return to_openai(store, record)
         raise APIError(409, f"Batch {batch_id} is {record['status']} and cannot be cancelled.",
                        code="invalid_state")
-    if not store.transition("batch", batch_id, ["in_progress"], {"status": "cancelling", "cancelling_at": now()}):
-        return to_openai(store, get_batch(store, batch_id, tenant))
+    record = get_batch(store, batch_id, tenant)
     events.request_cancel(redis, batch_id)
     events.emit(redis, batch_id, "Batch cancelling", data={"status": "cancelling"})
     # Chunks not yet started never start; running ones stop at their next request and keep what finished.
@@ -186,5 +212,8 @@ def list_batch_events(request: Request, batch_id: str, tenant: TenantDep, store:
             raise invalid("limit pages the event list; a stream sends every event.", param="limit")
         return event_stream.stream(request, batch_id, "batch.event", after,
                                    lambda: get_batch(store, batch_id, tenant)["status"])
-    page, has_more = events.read_newest_first(redis, batch_id, after, limit or 20)
+    try:
+        page, has_more = events.read_newest_first(redis, batch_id, after, limit or 20)
+    except events.BadEventId as exc:
+        raise invalid(str(exc), param="after") from None
     return {"object": "list", "data": [{**e, "object": "batch.event"} for e in page], "has_more": has_more}

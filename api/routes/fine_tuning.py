@@ -81,6 +81,9 @@ def create_job(body: FineTuningJobCreate, tenant: TenantDep, settings: SettingsD
     if body.suffix is not None and not SUFFIX_PATTERN.match(body.suffix):
         raise invalid("suffix may hold only letters, digits, '-' and '_' (at most 64).", param="suffix")
     hyperparameters = _resolved_hyperparameters(body, settings)
+    for name in ("max_steps", "checkpoint_steps"):
+        if (getattr(body, name) or 0) > settings.max_training_steps:
+            raise invalid(f"{name} must be at most {settings.max_training_steps}.", param=name)
     # Files are checked for existence before anything is created; their contents are validated below.
     get_file(store, body.training_file, tenant, "training_file")
     if body.validation_file:
@@ -91,9 +94,18 @@ def create_job(body: FineTuningJobCreate, tenant: TenantDep, settings: SettingsD
     except NoCapableWorker as exc:
         raise APIError(400, str(exc), param="model", code="no_capable_worker") from None
 
+    # The files' contents are validated before anything is created: a rejected job leaves no record.
+    errors = _check_training_file(store, settings, tenant, body.training_file, "training_file")
+    if body.validation_file:
+        errors += _check_training_file(store, settings, tenant, body.validation_file, "validation_file")
+    if errors:
+        raise invalid("The training data is invalid: " + "; ".join(errors),
+                      param="validation_file" if errors[0].startswith("validation_file") else "training_file",
+                      code="invalid_training_file")
+
     job_id = new_id("ftjob")
     record = {
-        "id": job_id, "tenant": tenant, "status": "validating_files", "created_at": now(), "model": base,
+        "id": job_id, "tenant": tenant, "status": "queued", "created_at": now(), "model": base,
         "training_file": body.training_file, "validation_file": body.validation_file, "suffix": body.suffix,
         "seed": body.seed if body.seed is not None else secrets.randbelow(2**31),
         "metadata": body.metadata, "hyperparameters": hyperparameters,
@@ -105,23 +117,15 @@ def create_job(body: FineTuningJobCreate, tenant: TenantDep, settings: SettingsD
         "fine_tuned_model": None, "finished_at": None, "estimated_finish": None, "trained_tokens": None,
         "result_files": [], "error": None, "queue": queue, "attempts": 0, "checkpoints": [],
     }
+    # Tracked before it exists: if this process dies before publishing, the reconciler publishes it.
+    store.track("ftjob", job_id)
     record, created = store.create("ftjob", record, idempotency_key)
     if not created:
+        store.untrack("ftjob", job_id)
         return to_openai(record)
-    events.emit(redis, job_id, f"Validating training file: {body.training_file}")
-    errors = _check_training_file(store, settings, tenant, body.training_file, "training_file")
-    if body.validation_file:
-        errors += _check_training_file(store, settings, tenant, body.validation_file, "validation_file")
-    if errors:
-        message = "The training data is invalid: " + "; ".join(errors)
-        store.update("ftjob", job_id, {"status": "failed", "finished_at": now(),
-                                        "error": {"code": "invalid_training_file", "message": message,
-                                                  "param": "training_file"}})
-        events.emit(redis, job_id, message, level="error")
-        return to_openai(store.get("ftjob", job_id))
-    store.update("ftjob", job_id, {"status": "queued"})
-    store.track("ftjob", job_id)
-    events.emit(redis, job_id, "Files validated, job queued", data={"status": "queued"})
+    events.emit(redis, job_id, f"Files validated: {body.training_file}" +
+                (f", {body.validation_file}" if body.validation_file else ""))
+    events.emit(redis, job_id, "Job queued", data={"status": "queued"})
     publish(celery, store, "ftjob", job_id, queue)
     return to_openai(store.get("ftjob", job_id))
 
@@ -179,7 +183,10 @@ def list_events(request: Request, job_id: str, tenant: TenantDep, store: StoreDe
             raise invalid("limit pages the event list; a stream sends every event.", param="limit")
         return event_stream.stream(request, job_id, "fine_tuning.job.event", after,
                                    lambda: get_job(store, job_id, tenant)["status"])
-    page, has_more = events.read_newest_first(redis, job_id, after, limit or 20)
+    try:
+        page, has_more = events.read_newest_first(redis, job_id, after, limit or 20)
+    except events.BadEventId as exc:
+        raise invalid(str(exc), param="after") from None
     return {"object": "list", "data": [{**e, "object": "fine_tuning.job.event"} for e in page],
             "has_more": has_more}
 

@@ -65,6 +65,23 @@ class Reconciler:
                         and now() - int(record.get("created_at") or 0) > self.settings.lease_seconds:
                     # Its publisher died between writing the record and publishing the task.
                     publish(self.celery, self.store, kind, record_id, record["queue"])
+        self._fail_abandoned_batches()
+
+    def _fail_abandoned_batches(self) -> None:
+        """A batch still validating whose creator's lease lapsed: the API process died while it validated and
+        split the input, before any of it ran."""
+        batch_ids = sorted(self.store.tracked("batch"))
+        holders = events.lease_holders(self.redis, batch_ids)
+        for batch_id, record, holder in zip(batch_ids, self.store.get_many("batch", batch_ids), holders):
+            if record is None:
+                self.store.untrack("batch", batch_id)
+            elif record["status"] == "validating" and holder is None:
+                message = "The batch's creation was interrupted (its API process stopped); nothing of it ran."
+                error = {"code": "creation_interrupted", "line": None, "message": message, "param": None}
+                if self.store.transition("batch", batch_id, ["validating"], {
+                        "status": "failed", "failed_at": now(), "errors": {"object": "list", "data": [error]}}):
+                    self.store.untrack("batch", batch_id)
+                    events.emit(self.redis, batch_id, message, level="error", data={"status": "failed"})
 
     def _requeue(self, kind: str, record: dict, why: str, running: bool = True) -> None:
         record_id = record["id"]
