@@ -1,12 +1,19 @@
 """The fallback path: any causal LM the native decoder does not cover (other architectures, quantized or
 multi-device bases, adapters other than plain LoRA), run through the model's own forward with a DynamicCache.
-Requests are batched in "cohorts" that join between steps; PEFT's mixed-batch `adapter_names=[...]` selects
-adapters per row. Correct, but host-bound like `generate`.
+
+Why it is shaped this way: the model's own forward costs tens of milliseconds of host time per step whatever the
+batch, so throughput is rows per step. Every request therefore joins one running batch: new requests are
+prefilled (left padded, in pieces of at most prefill_tokens) and their caches merged into the running one, left
+padded to a common width; finished rows are dropped (and the columns no row uses any more) once an eighth of the
+rows are done or the batch holds max_batch_size rows. Positions and the attention mask are per row, so padding never
+changes a row's tokens. The host reads step k's tokens while the device computes step k+1. Caches whose layers are
+not plain full-attention DynamicLayers (sliding windows, linear attention) cannot be merged: such a model runs its
+prefilled pieces side by side instead. PEFT's mixed-batch `adapter_names=[...]` selects adapters per row.
 
 Interface with the engine (engine.py), which owns the request queue, the thread and the results:
   FallbackPath(engine)  once per model setup; reads engine.model/.base/.device/.budget/.prefill_tokens/
                         .max_batch_size/.kv_bytes_per_token/.vocab_size and writes into engine.stats
-  step()                one iteration: cancels, admission (engine.pop_waiting / push_back), one decode step
+  step()                one iteration: cancels, tokens of the last step, admission, one decode step per batch
   has_work()            whether requests are running here
   fail_all(error)       finish every running request with an error
 Requests are finished through engine.accept (a new token) and engine.finish; tokens come from sampling.pick.
@@ -20,7 +27,9 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
+from worker.engine.device import HostTokens
 from worker.engine.sampling import pick
 
 if TYPE_CHECKING:
@@ -29,10 +38,76 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _pad_left(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    extra = width - x.shape[dim]
+    if extra == 0:
+        return x
+    return F.pad(x, [0, 0] * (x.dim() - 1 - dim % x.dim()) + [extra, 0])
+
+
+def _mergeable(cache) -> bool:
+    """Every layer a plain full-attention DynamicLayer: the rows of two such caches can be concatenated."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) is DynamicLayer and layer.keys is not None for layer in layers)
+
+
+class _Batch:
+    """Requests decoding together: one cache, rows left padded to one width."""
+
+    def __init__(self, seqs: list[Sequence], cache, mask: torch.Tensor, pos: torch.Tensor, nxt: torch.Tensor,
+                 adapters: list[str] | None):
+        self.seqs = seqs
+        self.cache = cache
+        self.mask = mask  # [rows, width], 0 on left padding
+        self.pos = pos  # [rows]: position of each row's last token
+        self.next = nxt  # [rows]: each row's next input token, on the device
+        self.adapters = adapters
+        self.mergeable = _mergeable(cache)
+        self.pending: HostTokens | None = None  # the last step's tokens, read on the next iteration
+
+    @property
+    def width(self) -> int:
+        return self.mask.shape[1]
+
+    def live(self) -> int:
+        return sum(not s.finished for s in self.seqs)
+
+    def merge(self, other: _Batch) -> None:
+        w = max(self.width, other.width)
+        for a, b in zip(self.cache.layers, other.cache.layers):
+            a.keys = torch.cat([_pad_left(a.keys, w, -2), _pad_left(b.keys, w, -2)])
+            a.values = torch.cat([_pad_left(a.values, w, -2), _pad_left(b.values, w, -2)])
+        self.mask = torch.cat([_pad_left(self.mask, w, -1), _pad_left(other.mask, w, -1)])
+        self.pos = torch.cat([self.pos, other.pos])
+        self.next = torch.cat([self.next, other.next])
+        self.seqs = self.seqs + other.seqs
+        if self.adapters is not None:
+            self.adapters = self.adapters + other.adapters
+
+    def compact(self) -> None:
+        """Drop the finished rows, and the left columns no remaining row uses."""
+        keep = [i for i, s in enumerate(self.seqs) if not s.finished]
+        idx = torch.tensor(keep, dtype=torch.int64, device=self.mask.device)
+        self.mask = self.mask.index_select(0, idx)
+        first = int(self.mask.any(0).int().argmax())
+        self.mask = self.mask[:, first:]
+        for layer in self.cache.layers:  # layers may sit on several devices (device_map="auto")
+            rows = idx.to(layer.keys.device)
+            layer.keys = layer.keys.index_select(0, rows)[:, :, first:]
+            layer.values = layer.values.index_select(0, rows)[:, :, first:]
+        self.pos = self.pos.index_select(0, idx)
+        self.next = self.next.index_select(0, idx)
+        self.seqs = [self.seqs[i] for i in keep]
+        if self.adapters is not None:
+            self.adapters = [self.adapters[i] for i in keep]
+
+
 class FallbackPath:
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._cohorts: list[dict] = []
+        self._batches: list[_Batch] = []
         params = inspect.signature(engine.base.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         cfg = engine.base.config
@@ -47,88 +122,92 @@ class FallbackPath:
                             budget_bytes=engine.budget, kv_cache_bytes=0, workspace_estimate_bytes=ws)
 
     def has_work(self) -> bool:
-        return bool(self._cohorts)
+        return bool(self._batches)
 
     def fail_all(self, error: str) -> None:
-        for c in self._cohorts:
-            for seq in c["seqs"]:
+        for b in self._batches:
+            for seq in b.seqs:
                 self.engine.finish(seq, "error", error)
-        self._cohorts = []
+        self._batches = []
 
     def _forward(self, cache, **kw):
         kw[self._cache_kwarg] = cache
         return self.engine.model(use_cache=True, return_dict=True, logits_to_keep=1, **kw).logits[:, -1, :]
 
     def step(self) -> None:
+        eng = self.engine
+        cancels = eng.take_cancels()
+        for b in self._batches:
+            for seq in b.seqs:
+                if seq.req.request_id in cancels:
+                    eng.finish(seq, "cancelled")
+        self._read_tokens()
+        for b in list(self._batches):
+            done = len(b.seqs) - b.live()
+            if done == len(b.seqs):
+                self._batches.remove(b)
+            elif done and (8 * done >= len(b.seqs) or len(b.seqs) >= eng.max_batch_size):
+                b.compact()
+        self._admit()
+        for b in self._batches:
+            self._decode(b)
+
+    def _read_tokens(self) -> None:
+        """The tokens of each batch's previous step (the device went on to the next step meanwhile)."""
+        for b in self._batches:
+            if b.pending is not None:
+                out, b.pending = b.pending, None
+                host = out.tokens()
+                for i, seq in out.rows:
+                    self.engine.accept(seq, host[i])
+
+    def _admit(self) -> None:
+        """Waiting requests join while rows and the KV budget allow: the budget bounds rows x (width + the longest
+        output still to come), what the merged cache may grow to."""
+        eng = self.engine
+        room = eng.max_batch_size - sum(b.live() for b in self._batches)
+        if room <= 0:
+            return
+        cands = eng.pop_waiting(room)
+        budget = self._kv_budget // eng.kv_bytes_per_token
+        rows = sum(len(b.seqs) for b in self._batches)
+        width = max((b.width for b in self._batches), default=0)
+        reach = max((s.limit - s.n_launched for b in self._batches for s in b.seqs if not s.finished), default=0)
+        chunk: list[Sequence] = []
+        settled = set()
+        for s in sorted(cands, key=lambda s: s.prompt_len):
+            if s.prompt_len + s.limit > budget:
+                eng.finish(s, "error", f"the prompt plus max_new_tokens needs "
+                                       f"{(s.prompt_len + s.limit) * eng.kv_bytes_per_token} bytes of KV cache, "
+                                       f"more than the memory budget allows ({self._kv_budget})")
+                settled.add(id(s))
+                continue
+            w, r = max(width, s.prompt_len), max(reach, s.limit)
+            if (rows + 1) * (w + r) > budget:
+                break
+            rows, width, reach = rows + 1, w, r
+            chunk.append(s)
+            settled.add(id(s))
+        eng.push_back([s for s in cands if id(s) not in settled and not s.finished])
+        i = 0
+        while i < len(chunk):  # pieces of at most prefill_tokens padded tokens (sorted, so the last is the longest)
+            j = i + 1
+            while j < len(chunk) and (j + 1 - i) * chunk[j].prompt_len <= eng.prefill_tokens:
+                j += 1
+            piece, i = chunk[i:j], j
+            t0 = time.perf_counter()
+            try:
+                self._prefill(piece)
+            except Exception as e:
+                log.exception("prefill failed")
+                for seq in piece:
+                    eng.finish(seq, "error", f"prefill failed: {type(e).__name__}: {e}")
+            eng.stats["prefill_seconds"] += time.perf_counter() - t0
+
+    def _prefill(self, chunk: list[Sequence]) -> None:
         from transformers import DynamicCache
 
         eng = self.engine
-        cancels = eng.take_cancels()
-        if cancels:
-            for c in self._cohorts:
-                for seq in c["seqs"]:
-                    if seq.req.request_id in cancels:
-                        eng.finish(seq, "cancelled")
-        # Admit a new cohort while rows and the KV budget allow it.
-        running = sum(len(c["seqs"]) for c in self._cohorts)
-        reserved = sum(c["reserve"] for c in self._cohorts)
-        room = eng.max_batch_size - running
-        if room > 0:
-            cands = eng.pop_waiting(room)
-            chunk, tokens = [], 0
-            for s in sorted(cands, key=lambda s: s.prompt_len):
-                need = (s.prompt_len + s.limit) * eng.kv_bytes_per_token
-                if need > self._kv_budget:
-                    eng.finish(s, "error", f"the prompt plus max_new_tokens needs {need} bytes of KV cache, more "
-                                           f"than the memory budget allows ({self._kv_budget})")
-                    continue
-                if chunk and (len(chunk) + 1) * s.prompt_len > eng.prefill_tokens:
-                    break
-                if reserved + tokens + need > self._kv_budget:
-                    break
-                chunk.append(s)
-                tokens += need
-            taken = {id(s) for s in chunk}
-            eng.push_back([s for s in cands if id(s) not in taken and not s.finished])
-            if chunk:
-                t0 = time.perf_counter()
-                try:
-                    self._prefill(chunk, tokens, DynamicCache)
-                except Exception as e:
-                    log.exception("prefill failed")
-                    for seq in chunk:
-                        eng.finish(seq, "error", f"prefill failed: {type(e).__name__}: {e}")
-                eng.stats["prefill_seconds"] += time.perf_counter() - t0
-        # One decode step per cohort.
-        for c in list(self._cohorts):
-            if all(s.finished for s in c["seqs"]):
-                self._cohorts.remove(c)
-                continue
-            t0 = time.perf_counter()
-            c["mask"] = torch.cat([c["mask"], c["mask"].new_ones(c["mask"].shape[0], 1)], dim=1)
-            c["pos"] = c["pos"] + 1
-            kw = {}
-            if eng.is_peft:  # a cohort started before the base was wrapped runs on as base rows
-                kw["adapter_names"] = c["adapters"] or ["__base__"] * len(c["seqs"])
-            logits = self._forward(input_ids=c["next"][:, None], attention_mask=c["mask"],
-                                   position_ids=c["pos"][:, None], cache=c["cache"], **kw)
-            rows = list(enumerate(c["seqs"]))
-            toks = pick(logits, None, rows, [len(s.out) for s in c["seqs"]])
-            c["next"] = toks
-            host = toks.tolist()
-            live = [s for s in c["seqs"] if not s.finished]
-            for i, seq in rows:
-                eng.accept(seq, host[i])
-            eng.stats["decode_steps"] += 1
-            eng.stats["decode_rows"] += len(live)
-            eng.stats["max_running"] = max(eng.stats["max_running"], len(live))
-            eng.stats["decode_seconds"] += time.perf_counter() - t0
-            if all(s.finished for s in c["seqs"]):
-                self._cohorts.remove(c)
-
-    def _prefill(self, chunk: list[Sequence], reserve: int, cache_cls) -> None:
-        eng = self.engine
-        dev = eng.device
         n = len(chunk)
         L = max(s.prompt_len for s in chunk)
         pad = getattr(eng.base.config, "pad_token_id", None)
@@ -138,19 +217,17 @@ class FallbackPath:
         for i, s in enumerate(chunk):  # left padding
             ids[i, L - s.prompt_len:] = torch.tensor(s.req.prompt_ids)
             mask[i, L - s.prompt_len:] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
+        ids, mask = ids.to(eng.device), mask.to(eng.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         adapters = None
         if eng.is_peft:
             adapters = [s.req.adapter if s.req.adapter is not None else "__base__" for s in chunk]
-        cache = cache_cls(config=eng.base.config)
+        cache = DynamicCache(config=eng.base.config)
         kw = {"adapter_names": adapters} if adapters is not None else {}
         logits = self._forward(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, **kw)
         rows = list(enumerate(chunk))
         toks = pick(logits, None, rows, [0] * n)
-        c = {"seqs": chunk, "cache": cache, "mask": mask, "pos": pos[:, -1], "next": toks, "adapters": adapters,
-             "reserve": reserve}
-        self._cohorts.append(c)
+        batch = _Batch(list(chunk), cache, mask, pos[:, -1], toks, adapters)
         host = toks.tolist()
         for i, seq in rows:
             seq.n_launched = 1
@@ -158,5 +235,35 @@ class FallbackPath:
         eng.stats["prefill_calls"] += 1
         eng.stats["prefill_tokens"] += sum(s.prompt_len for s in chunk)
         eng.stats["prefill_padded_tokens"] += n * L
-        if all(s.finished for s in chunk):
-            self._cohorts.remove(c)
+        if not batch.live():
+            return
+        into = next((b for b in self._batches if b.mergeable and batch.mergeable
+                     and (b.adapters is None) == (batch.adapters is None)), None)
+        if into is None:
+            self._batches.append(batch)
+        else:
+            into.merge(batch)
+
+    def _decode(self, b: _Batch) -> None:
+        """Launch one decode step for batch `b` if a row still needs a token; its tokens are read next time."""
+        if not any(not s.finished and s.n_launched < s.limit for s in b.seqs):
+            return
+        eng = self.engine
+        t0 = time.perf_counter()
+        b.mask = torch.cat([b.mask, b.mask.new_ones(b.mask.shape[0], 1)], dim=1)
+        b.pos = b.pos + 1
+        kw = {}
+        if eng.is_peft:  # rows prefilled before the base was wrapped run on as base rows
+            kw["adapter_names"] = b.adapters or ["__base__"] * len(b.seqs)
+        logits = self._forward(input_ids=b.next[:, None], attention_mask=b.mask, position_ids=b.pos[:, None],
+                               cache=b.cache, **kw)
+        rows = list(enumerate(b.seqs))
+        b.next = pick(logits, None, rows, [s.n_launched for s in b.seqs])
+        for s in b.seqs:
+            s.n_launched += 1
+        b.pending = HostTokens(b.next, [(i, s) for i, s in rows if not s.finished], eng.backend)
+        live = b.live()
+        eng.stats["decode_steps"] += 1
+        eng.stats["decode_rows"] += live
+        eng.stats["max_running"] = max(eng.stats["max_running"], live)
+        eng.stats["decode_seconds"] += time.perf_counter() - t0
