@@ -1,5 +1,9 @@
-"""The native path's model runner: the decoder of Llama-style models (llama, mistral, qwen2, qwen3) written here
-against the model's own weight tensors, writing and reading the engine's KV cache.
+"""The native path's model runner: the decoder of Llama-style models (llama, mistral, qwen2, qwen3, phi3, gemma)
+written here against the model's own weight tensors, writing and reading the engine's KV cache. One decoder covers
+the families: Phi-3's fused qkv_proj / gate_up_proj are read as row views of their weights; Gemma's (1 + w) norms
+are folded into the norm weights once, its embedding scale multiplies the embedded tokens, and the MLP calls the
+model's own activation (GELU for Gemma; the fused Triton kernels cover SiLU only, so other activations run on
+torch ops).
 
 On cuda/xpu with triton (kernels="auto"/"triton"), triton_kernels.py supplies decode attention that reads only each
 row's own cache length and fused RMSNorm / q-k norm + RoPE / SiLU*up kernels, and prefill packs prompts end to end
@@ -26,7 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma")
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 PREFILL_PROMPTS = 64  # prompts per prefill call at most: bounds its [prompts, vocab] logits
@@ -38,6 +42,35 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return w * h.to(dt)
+
+
+def _norm_eps(norm) -> float | None:
+    eps = getattr(norm, "variance_epsilon", None)
+    return getattr(norm, "eps", None) if eps is None else eps
+
+
+def norm_offset(norm) -> float | None:
+    """How an RMSNorm module uses its weight, probed on the module itself: 0.0 for w * rms(x) (Llama), 1.0 for
+    (1 + w) * rms(x) (Gemma), None for anything else."""
+    w, eps = getattr(norm, "weight", None), _norm_eps(norm)
+    if w is None or eps is None or w.dim() != 1 or w.device.type == "meta":
+        return None
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, w.shape[0], generator=g).to(device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        got = norm(x).float()
+    h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    for offset in (0.0, 1.0):
+        if torch.allclose(got, h * (w.float() + offset), rtol=2e-2, atol=2e-2):
+            return offset
+    return None
+
+
+def _split_rows(linear, sizes: list[int]) -> list[tuple]:
+    """Row views of a fused projection's weight (and bias), one per part: q, k, v or gate, up."""
+    w, b = linear.weight, linear.bias
+    ws, bs = w.split(sizes), (b.split(sizes) if b is not None else [None] * len(sizes))
+    return [(wi, bi, None) for wi, bi in zip(ws, bs)]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -93,13 +126,19 @@ class NativeModel:
         self.hidden = cfg.hidden_size
         self.intermediate = cfg.intermediate_size
         self.vocab = base.lm_head.weight.shape[0]
-        self.eps = core.norm.variance_epsilon
+        self.eps = _norm_eps(core.norm)
         self.embed = core.embed_tokens.weight
-        self.norm = core.norm.weight
+        scale = getattr(core.embed_tokens, "embed_scale", None)  # Gemma: embeddings times sqrt(hidden)
+        self.embed_scale = scale.to(device=device, dtype=self.dtype) if isinstance(scale, torch.Tensor) else None
+        offset = norm_offset(core.norm)
+        # (1 + w) norms as plain RMSNorm weights, computed once (in float32, as Gemma's norm does)
+        self._fold = (lambda w: (w.float() + 1.0).to(w.dtype)) if offset else (lambda w: w)
+        self.norm = self._fold(core.norm.weight)
         self.lm_head = base.lm_head.weight
         self.lm_bias = getattr(base.lm_head, "bias", None)
         self.rotary = core.rotary_emb
-        self.act = core.layers[0].mlp.act_fn
+        mlp0 = core.layers[0].mlp
+        self.act = getattr(mlp0, "act_fn", None) or mlp0.activation_fn
         self.scaling = getattr(core.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
         self.adapters: list[str] = []
         self.adapter_cols: dict[str, tuple[int, int]] = {}
@@ -122,13 +161,22 @@ class NativeModel:
         self.layers: list[_Layer] = []
         for layer in core.layers:
             L = _Layer()
-            L.ln1 = layer.input_layernorm.weight
-            L.ln2 = layer.post_attention_layernorm.weight
+            L.ln1 = self._fold(layer.input_layernorm.weight)
+            L.ln2 = self._fold(layer.post_attention_layernorm.weight)
             att, mlp = layer.self_attn, layer.mlp
-            L.q_norm = att.q_norm.weight if hasattr(att, "q_norm") else None
-            L.k_norm = att.k_norm.weight if hasattr(att, "k_norm") else None
+            L.q_norm = self._fold(att.q_norm.weight) if hasattr(att, "q_norm") else None
+            L.k_norm = self._fold(att.k_norm.weight) if hasattr(att, "k_norm") else None
             L.lin = {}
+            if hasattr(att, "qkv_proj"):  # Phi-3: fused projections (LoRA on them takes the fallback path)
+                q, kv = self.hq * self.head_dim, self.hkv * self.head_dim
+                parts = _split_rows(getattr(att.qkv_proj, "base_layer", att.qkv_proj), [q, kv, kv])
+                L.lin.update(zip(("q_proj", "k_proj", "v_proj"), parts))
+            if hasattr(mlp, "gate_up_proj"):
+                parts = _split_rows(getattr(mlp.gate_up_proj, "base_layer", mlp.gate_up_proj), [self.intermediate] * 2)
+                L.lin.update(zip(("gate_proj", "up_proj"), parts))
             for pname in _PROJECTIONS:
+                if pname in L.lin:
+                    continue
                 mod = getattr(att if pname in _PROJECTIONS[:4] else mlp, pname)
                 baselayer = getattr(mod, "base_layer", mod)
                 lora = None
@@ -152,6 +200,10 @@ class NativeModel:
             B[:, c0:c0 + r] = (wb.to(device=device, dtype=torch.float32) * float(mod.scaling[a])).to(self.dtype)
             any_adapter = True
         return (A, B) if any_adapter else None
+
+    def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(ids, self.embed)
+        return x if self.embed_scale is None else x * self.embed_scale
 
     def rope_tables(self, max_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         pos = torch.arange(max_len, device=device)[None]
@@ -177,15 +229,22 @@ def native_unsupported_reason(model, max_seq_len: int | None = None) -> str | No
     if layer_types and any(t != "full_attention" for t in layer_types):
         return "sliding-window layers"
     sw = getattr(cfg, "sliding_window", None)
-    if mt == "mistral" and sw is not None and (max_seq_len is None or sw < max_seq_len):
+    if mt in ("mistral", "phi3") and sw is not None and (max_seq_len is None or sw < max_seq_len):
         return "sliding window shorter than the context"
-    if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
-        return f"activation {cfg.hidden_act!r}"
     for layer in core.layers:
-        att = layer.self_attn
-        if not all(hasattr(att, p) for p in _PROJECTIONS[:4]) or \
-                not all(hasattr(layer.mlp, p) for p in _PROJECTIONS[4:]):
+        att, mlp = layer.self_attn, layer.mlp
+        if not (all(hasattr(att, p) for p in _PROJECTIONS[:4]) or hasattr(att, "qkv_proj") and hasattr(att, "o_proj")) \
+                or not (all(hasattr(mlp, p) for p in _PROJECTIONS[4:])
+                        or hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj")) \
+                or not callable(getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)):
             return "unexpected layer layout"
+    if norm_offset(core.norm) is None:
+        return f"norm {type(core.norm).__name__} is neither w * rms(x) nor (1 + w) * rms(x)"
+    rotary = core.rotary_emb
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    inv_freq = getattr(rotary, "inv_freq", None)
+    if inv_freq is None or 2 * inv_freq.numel() != head_dim:
+        return "rotary embedding over part of each head (partial_rotary_factor)"
     if len(set(getattr(base, "hf_device_map", {}).values())) > 1:
         return "weights spread over several devices (device_map='auto'): the model's own forward moves activations"
     if getattr(cfg, "quantization_config", None) is not None:
@@ -237,7 +296,7 @@ class NativeRunner:
         nat = self.nat
         hq, hkv, d = nat.hq, nat.hkv, nat.head_dim
         Lmax = self.max_seq_len
-        x = F.embedding(ids, nat.embed)
+        x = nat.embed_ids(ids)
         cos = self.cos[start:start + L][None, None]
         sin = self.sin[start:start + L][None, None]
         mask = self.lora_mask.index_select(0, slots)[:, None, :] if nat.lora_rank else None
@@ -306,7 +365,7 @@ class NativeRunner:
         Lmax = self.max_seq_len
         positions = start + self.len_ar[:L]
         pos_tok = positions.repeat(n)
-        x = F.embedding(ids.reshape(T), nat.embed)
+        x = nat.embed_ids(ids.reshape(T))
         mask = self.lora_mask.index_select(0, slots).repeat_interleave(L, dim=0) if nat.lora_rank else None
         idx = ((slots[:, None, None] * hkv + self.head_ar[None, None, :]) * Lmax
                + positions[None, :, None]).reshape(-1)
@@ -407,7 +466,7 @@ class NativeRunner:
         idx = ((slot[:, None] * nat.hkv + self.head_ar[None, :]) * self.max_seq_len + pos[:, None]).reshape(-1)
         mask = self.lora_mask.index_select(0, slot) if nat.lora_rank else None
         width = nat.hq * nat.head_dim
-        x = self._fused_layers(F.embedding(ids, nat.embed), mask, pos, idx,
+        x = self._fused_layers(nat.embed_ids(ids), mask, pos, idx,
                                lambda li, q, k, v: self._packed(q, k, v, self._pf_cu,
                                                                 self.max_seq_len).reshape(size, width))
         xl = x.index_select(0, self._pf_cu[1:PREFILL_PROMPTS + 1].long() - 1)
@@ -429,7 +488,7 @@ class NativeRunner:
         G = hq // hkv
         Lmax = self.max_seq_len
         pos = self.pos_buf[:B].clamp(max=Lmax - 1)
-        x = F.embedding(self.ids_buf[:B], nat.embed)
+        x = nat.embed_ids(self.ids_buf[:B])
         cos = self.cos[pos][:, None, :]
         sin = self.sin[pos][:, None, :]
         idx = ((self.slot_ar[:B, None] * hkv + self.head_ar[None, :]) * Lmax + pos[:, None]).reshape(-1)
@@ -472,7 +531,7 @@ class NativeRunner:
         Lmax = self.max_seq_len
         pos = self.pos_buf[:B].clamp(max=Lmax - 1)
         lens = pos + 1
-        x = F.embedding(self.ids_buf[:B], nat.embed)
+        x = nat.embed_ids(self.ids_buf[:B])
         h = tri.rms_norm(x, nat.layers[0].ln1, nat.eps)
         idx = ((self.slot_ar[:B, None] * hkv + self.head_ar[None, :]) * Lmax + pos[:, None]).reshape(-1)
         mask = self.lora_mask[:B] if nat.lora_rank else None
