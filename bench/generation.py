@@ -12,7 +12,8 @@ Workloads (--workloads; --prompts, --min-prompt, --max-prompt, --new-tokens over
   current   512 prompts of 32-511 tokens, 128 new tokens each
   long      1,024 prompts of 16-1,500 tokens, 256 new tokens each
 
-Variants (run in this order for each workload; --variants picks a subset):
+Variants (run in this order for each workload; --variants picks a subset, and an entry "WORKLOAD:VARIANT" runs
+that variant for that workload only):
   generate-bs<N>          plain model.generate, static batches of N in input order, left padding, dynamic cache
   generate-static-bs<N>   the same with cache_implementation="static", every batch padded to one shape (the
                           workload's longest prompt, N rows) so the forward is compiled once (transformers compiles
@@ -540,7 +541,7 @@ def main(argv=None) -> int:
         block = report["workloads"][wname] = {**w, "variants": {}}
         ctx.update(prompts=prompts_of[wname][0], new_tokens=w["new_tokens"])
         close_engine(ctx)
-        for name in variants:
+        for name in [v.split(":")[-1] for v in variants if v.split(":")[0] in (wname, v)]:
             if name == "service":
                 continue
             print(f"--- {wname}: {name}", flush=True)
@@ -558,7 +559,7 @@ def main(argv=None) -> int:
         release_cb(ctx)
         close_engine(ctx)
 
-    if "service" in variants or args.chats:
+    if any(v.split(":")[-1] == "service" for v in variants) or args.chats:
         from bench.service import Stack, concurrency
 
         print("--- service (shipped settings)", flush=True)
@@ -566,7 +567,7 @@ def main(argv=None) -> int:
         dev.reset_peak()
         stack = Stack(args.model, dev.backend)
         try:
-            for wname in workloads if "service" in variants else []:
+            for wname in [w for w in workloads if {"service", f"{w}:service"} & set(variants)]:
                 prompts, new = prompts_of[wname]
                 block = report["workloads"][wname]
                 try:
