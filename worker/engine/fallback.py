@@ -120,6 +120,9 @@ class FallbackPath:
                              f"{ws}-byte workspace")
         engine.stats.update(num_slots=engine.max_batch_size, max_seq_len=engine.max_seq_len,
                             budget_bytes=engine.budget, kv_cache_bytes=0, workspace_estimate_bytes=ws)
+        # the engine's peak memory counts from here (on a GPU, the engine thread reads it after every step)
+        engine._reset_peak()
+        engine._mem_base = engine._allocated()
 
     def has_work(self) -> bool:
         return bool(self._batches)
