@@ -36,8 +36,9 @@ Models (--model), random weights, nothing downloaded:
   tiny         worker.demo_model (Qwen3 architecture, 2 layers, hidden 64)
   qwen3-0.6b   Qwen3-0.6B's architecture (hidden 1024, 28 layers, 16 heads, 8 KV heads, head_dim 128)
   phi3-0.6b    Phi-3's layout (fused qkv_proj / gate_up_proj) at the same size as qwen3-0.6b, vocab 32064
-  phi2-0.6b    Phi-2's layout (model_type "phi": LayerNorm, partial rotary, parallel attention and MLP, GELU),
-               hidden 1024, 24 layers: outside the engine's native list, so the engine takes its fallback path
+  phi2-0.6b    Phi-2's layout (model_type "phi": LayerNorm, parallel attention and MLP, GELU, rotary over 32 of
+               64 head dims as Phi-2's 32 of 80), hidden 1024, 24 layers: outside the engine's native list, so the
+               engine takes its fallback path
 The GPU ceiling is FLOPs per token (2 x parameters) over a measured bf16 matrix-product rate.
 """
 
@@ -94,7 +95,7 @@ def phi2_06b_config():
 
     return PhiConfig(vocab_size=51200, hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
                      num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=4096,
-                     partial_rotary_factor=0.4, hidden_act="gelu_new", tie_word_embeddings=False,
+                     partial_rotary_factor=0.5, hidden_act="gelu_new", tie_word_embeddings=False,
                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
