@@ -502,6 +502,10 @@ def main(argv=None) -> int:
     if dev.mod:
         dev.mod.set_device(dev.device)
     dtype = torch.bfloat16 if dev.backend != "cpu" else torch.float32
+    if dev.backend == "cuda":
+        # For every variant, as the engine does for itself: cuDNN attention (torch's first choice on Hopper) builds
+        # a plan per new shape, and a dynamic cache is a new shape every step (plain generate: ~195 ms a step).
+        torch.backends.cuda.enable_cudnn_sdp(False)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
 
