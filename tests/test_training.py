@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import pytest
+
 from contract.training_data import example
 from worker.demo_model import build_demo_model
 from worker.training.trainer import _resume_point, tokenize_examples
@@ -84,6 +86,11 @@ def test_data_parallel_training_with_two_processes(stack_env, redis_client, tmp_
 
     from conftest import TEST_BACKEND
 
+    if TEST_BACKEND != "cpu":
+        from worker.node.devices import probe_backend
+
+        if probe_backend(TEST_BACKEND)[1] < 2:  # one process per device: a GPU run needs two of them
+            pytest.skip(f"two {TEST_BACKEND} devices are needed; this machine has fewer")
     from contract import events
     from contract.layout import adapter_dir, file_path
     from contract.records import RecordStore, new_id
