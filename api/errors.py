@@ -53,8 +53,12 @@ def outage_response() -> JSONResponse:
 
 
 _LOCATIONS = {"body", "query", "path", "header"}
-# pydantic names the member of a union it tried in the error's location (`n_epochs.int`): not part of the param.
-_UNION_MEMBER = re.compile(r"int|str|float|bool|dict|list|none|.*\[.*")
+# pydantic names the member of a union it tried in the error's location (`n_epochs.int`, `input.list[Message]`,
+# `lora.target_modules.literal['all-linear']`): not part of the param.
+_UNION_MEMBER = re.compile(r"int|str|float|bool|bytes|dict|list|none|[A-Z]\w*"
+                           r"|(literal|list|dict|tuple|set|frozenset|nullable|function-[a-z]+|[A-Z]\w*)\[.*\]")
+# A form field named with brackets (`expires_after[seconds]`), as OpenAI's multipart calls send nested fields.
+_FORM_FIELD = re.compile(r"([a-z_]+)\[([a-z_]+)\]")
 
 
 def _union_member(part) -> bool:
@@ -62,7 +66,8 @@ def _union_member(part) -> bool:
 
 
 def _param(loc) -> str | None:
-    return ".".join(str(p) for p in loc if p not in _LOCATIONS and not _union_member(p)) or None
+    parts = [str(p) for p in loc if p not in _LOCATIONS and not _union_member(p)]
+    return ".".join(_FORM_FIELD.sub(r"\1.\2", p) for p in parts) or None
 
 
 def _validation_response(exc: RequestValidationError) -> JSONResponse:

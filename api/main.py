@@ -1,13 +1,16 @@
 """The FastAPI application (wrapped in the body-size guard). It never imports torch or any model library."""
 
+import asyncio
 import gc
-from contextlib import asynccontextmanager
+import logging
+from contextlib import asynccontextmanager, suppress
 
 from fastapi import FastAPI
 
 from api import errors, metrics
-from api.routes import batches, chat, completions, files, fine_tuning, models, responses, workers
+from api.routes import batches, chat, completions, files, fine_tuning, models, responses, storage, workers
 from api.tenant_limits import TenantLimiter
+from contract import retention
 from contract.queues import make_celery
 from contract.records import RecordStore
 from contract.redis_conn import async_client, sync_client
@@ -33,7 +36,11 @@ def create_app(settings: Settings | None = None) -> errors.BodyLimits:
         # What startup loaded stays for good: exempt it from the cyclic collector's full passes.
         gc.collect()
         gc.freeze()
+        sweeper = asyncio.create_task(_sweep_forever(app.state.store, settings))
         yield
+        sweeper.cancel()
+        with suppress(asyncio.CancelledError):
+            await sweeper
         await app.state.aioredis.aclose()
 
     # Bodies are cut off as they stream in, before anything is spooled to disk; the slack is multipart's framing
@@ -43,7 +50,7 @@ def create_app(settings: Settings | None = None) -> errors.BodyLimits:
     errors.install(app)
     metrics.install(app)
     app.add_middleware(metrics.RequestMetrics)
-    for module in (files, fine_tuning, batches, responses, chat, completions, models, workers):
+    for module in (files, fine_tuning, batches, responses, chat, completions, models, workers, storage):
         app.include_router(module.router)
 
     @app.get("/health", include_in_schema=False)
@@ -56,3 +63,21 @@ def create_app(settings: Settings | None = None) -> errors.BodyLimits:
 
     # Outermost, so an oversize body gets OpenAI's error shape before FastAPI's own limit answers.
     return errors.BodyLimits(app, body_limit, settings.max_json_body_bytes)
+
+
+async def _sweep_forever(store: RecordStore, settings: Settings) -> None:
+    """Retention: every retention_sweep_seconds one API process (whichever takes the lock) removes what expired."""
+    while True:
+        await asyncio.sleep(settings.retention_sweep_seconds)
+        await asyncio.to_thread(_sweep_once, store, settings)
+
+
+def _sweep_once(store: RecordStore, settings: Settings) -> None:
+    log = logging.getLogger("xpujobs.retention")
+    try:
+        if store.redis.set("lock:retention", "1", nx=True, px=int(settings.retention_sweep_seconds * 1000)):
+            removed = retention.sweep(store, settings.artifact_root, settings)
+            if removed:
+                log.info("retention removed %s", removed)
+    except Exception:  # Redis away or a file busy: the next round tries again
+        log.exception("retention sweep failed")

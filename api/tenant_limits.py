@@ -60,8 +60,7 @@ class TenantLimiter:
         limit = self.settings.limit(tenant, "max_stored_bytes")
         if not limit:
             return None
-        records, _ = store.page("file", tenant, None, 10**9)
-        return max(0, limit - sum(r["bytes"] for r in records))
+        return max(0, limit - store.stored_bytes(tenant))
 
 
 def storage_refused(limit: int) -> APIError:

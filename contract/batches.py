@@ -9,10 +9,11 @@ import json
 import os
 from pathlib import Path
 
-from contract import events
+from contract import events, retention
 from contract.layout import file_path, job_dir
 from contract.records import RecordStore, new_id, now
 
+DEFAULT_OUTPUT_SECONDS = 30 * 86400
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 SETTLED = ("completed", "cancelled")
 
@@ -66,7 +67,8 @@ def tally(store: RecordStore, batch: dict) -> tuple[dict, dict, bool]:
     return counts, usage, any(c.get("expired") for c in parts)
 
 
-def _store_file(store: RecordStore, root: Path, tenant: str, name: str, parts: list[Path]) -> str | None:
+def _store_file(store: RecordStore, root: Path, tenant: str, name: str, parts: list[Path],
+                expires_after: int) -> str | None:
     data = b"".join(p.read_bytes() for p in parts if p.exists())
     if not data:
         return None
@@ -74,8 +76,10 @@ def _store_file(store: RecordStore, root: Path, tenant: str, name: str, parts: l
     path = file_path(root, tenant, file_id)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
+    expires_at = now() + expires_after
     store.create("file", {"id": file_id, "tenant": tenant, "bytes": len(data), "created_at": now(),
-                          "filename": name, "purpose": "batch_output"})
+                          "filename": name, "purpose": "batch_output", "expires_at": expires_at})
+    retention.expire_file_at(store, tenant, file_id, expires_at)
     return file_id
 
 
@@ -96,8 +100,10 @@ def finalize(store: RecordStore, root: Path, batch: dict) -> None:
     if not cancelling:
         events.emit(store.redis, batch_id, "Batch finalizing", data={"status": "finalizing"})
     files = [chunk_files(root, tenant, batch_id, i) for i in range(batch["n_chunks"])]
-    output = _store_file(store, root, tenant, f"{batch_id}_output.jsonl", [out for out, _ in files])
-    errors = _store_file(store, root, tenant, f"{batch_id}_error.jsonl", [err for _, err in files])
+    # Output files expire as OpenAI's do (the retention the batch was created under).
+    keep = int(batch.get("output_expires_after") or DEFAULT_OUTPUT_SECONDS)
+    output = _store_file(store, root, tenant, f"{batch_id}_output.jsonl", [out for out, _ in files], keep)
+    errors = _store_file(store, root, tenant, f"{batch_id}_error.jsonl", [err for _, err in files], keep)
     counts, usage, expired = tally(store, batch)
     status = "cancelled" if cancelling else ("expired" if expired else "completed")
     fields = {"status": status, f"{status}_at": now(), "output_file_id": output, "error_file_id": errors,

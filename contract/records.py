@@ -57,7 +57,8 @@ def _key(kind: str, record_id: str) -> str:
     return f"rec:{kind}:{record_id}"
 
 
-def _index(kind: str, tenant: str) -> str:
+def index_key(kind: str, tenant: str) -> str:
+    """The tenant's records of a kind, scored by creation time."""
     return f"idx:{kind}:{tenant}"
 
 
@@ -87,7 +88,7 @@ class RecordStore:
                 self.redis.set(idem, record["id"], ex=24 * 3600)
         pipe = self.redis.pipeline()
         pipe.hset(_key(kind, record["id"]), mapping=_encode(record))
-        pipe.zadd(_index(kind, tenant), {record["id"]: time.time()})
+        pipe.zadd(index_key(kind, tenant), {record["id"]: time.time()})
         if track:
             pipe.sadd(f"active:{kind}", record["id"])
         pipe.execute()
@@ -98,7 +99,7 @@ class RecordStore:
         pipe = self.redis.pipeline(transaction=False)
         for record in records:
             pipe.hset(_key(kind, record["id"]), mapping=_encode(record))
-            pipe.zadd(_index(kind, record["tenant"]), {record["id"]: time.time()})
+            pipe.zadd(index_key(kind, record["tenant"]), {record["id"]: time.time()})
         pipe.execute()
 
     def get(self, kind: str, record_id: str | None, tenant: str | None = None) -> dict | None:
@@ -170,7 +171,7 @@ class RecordStore:
     def delete(self, kind: str, record_id: str, tenant: str) -> None:
         pipe = self.redis.pipeline()
         pipe.delete(_key(kind, record_id))
-        pipe.zrem(_index(kind, tenant), record_id)
+        pipe.zrem(index_key(kind, tenant), record_id)
         pipe.execute()
 
     def delete_many(self, kind: str, record_ids: list[str], tenant: str) -> None:
@@ -178,14 +179,35 @@ class RecordStore:
             return
         pipe = self.redis.pipeline()
         pipe.delete(*[_key(kind, r) for r in record_ids])
-        pipe.zrem(_index(kind, tenant), *record_ids)
+        pipe.zrem(index_key(kind, tenant), *record_ids)
         pipe.execute()
 
     def page(self, kind: str, tenant: str, after: str | None = None, limit: int = 20) -> tuple[list[dict], bool]:
-        """Newest first; `after` is the id of the last record of the previous page. Returns (page, has_more)."""
-        ids = after_cursor(self.redis.zrevrange(_index(kind, tenant), 0, -1), after)
-        page = [r for r in self.get_many(kind, ids[: limit + 1]) if r is not None and r.get("tenant") == tenant]
-        return page[:limit], len(page) > limit
+        """Newest first; `after` is the id of the last record of the previous page. Returns (page, has_more).
+        Reads only the page's part of the index (from the cursor's rank), whatever the index's size."""
+        index, start = index_key(kind, tenant), 0
+        if after:
+            rank = self.redis.zrevrank(index, after)
+            if rank is None:
+                return [], False
+            start = rank + 1
+        ids = self.redis.zrevrange(index, start, start + limit)
+        page = [r for r in self.get_many(kind, ids) if r is not None and r.get("tenant") == tenant]
+        return page[:limit], len(ids) > limit
+
+    def count(self, kind: str, tenant: str) -> int:
+        return self.redis.zcard(index_key(kind, tenant))
+
+    def stored_bytes(self, tenant: str) -> int:
+        """The bytes of the tenant's files (uploads and outputs)."""
+        return sum(int(r.get("bytes") or 0) for r in self.scan("file", tenant))
+
+    def scan(self, kind: str, tenant: str, batch: int = 500):
+        """Every record of the tenant's kind, newest first, read a batch at a time."""
+        start = 0
+        while ids := self.redis.zrevrange(index_key(kind, tenant), start, start + batch - 1):
+            yield from (r for r in self.get_many(kind, ids) if r is not None and r.get("tenant") == tenant)
+            start += batch
 
     # Records the reconciler watches: queued or running work that a dead worker could strand.
     def track(self, kind: str, record_id: str) -> None:

@@ -42,6 +42,13 @@ class Settings(BaseSettings):
     max_upload_bytes: int = 512 * 1024 * 1024
     # JSON request bodies (everything but file uploads) have their own, much smaller limit.
     max_json_body_bytes: int = 8 * 1024 * 1024
+    # Retention: finished fine-tuning jobs (failed or cancelled; a succeeded one keeps its model), batches and
+    # their chunks, events and artifacts are removed this long after creation; batch output files expire then too.
+    retention_seconds: int = 30 * 86400
+    # Chat completion and response records (prompts and outputs), once finished.
+    inference_retention_seconds: int = 7 * 86400
+    # How often an API process sweeps (one at a time across processes).
+    retention_sweep_seconds: float = 300.0
     # Redis connections per process; beyond them a call waits (up to redis_pool_timeout_seconds) for a free one.
     redis_max_connections: int = 100
     redis_pool_timeout_seconds: float = 30.0

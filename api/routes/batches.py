@@ -104,7 +104,8 @@ def create_batch(body: BatchCreate, tenant: TenantDep, settings: SettingsDep, st
     created = now()
     record = {"id": new_id("batch"), "tenant": tenant, "status": "validating", "endpoint": body.endpoint,
               "input_file_id": body.input_file_id, "metadata": body.metadata, "created_at": created,
-              "expires_at": created + WINDOW_SECONDS, "queue": queue}
+              "expires_at": created + WINDOW_SECONDS, "queue": queue,
+              "output_expires_after": settings.retention_seconds}
     # The creating process holds a lease while it validates and splits: if it dies, the lease lapses and the
     # reconciler fails the batch (it is tracked from the start); nothing of it has run.
     with events.lease_held(redis, record["id"], f"api:{os.getpid()}", settings.lease_seconds):

@@ -1,7 +1,7 @@
 """Files: upload (multipart), list, retrieve, content, delete."""
 
 import os
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Form, Query, UploadFile
 from fastapi.responses import FileResponse
@@ -9,6 +9,7 @@ from fastapi.responses import FileResponse
 from api.deps import LimiterDep, SettingsDep, StoreDep, TenantDep
 from api.errors import APIError, invalid, not_found
 from api.tenant_limits import storage_refused
+from contract import retention
 from contract.layout import file_path, safe_name
 from contract.records import RecordStore, new_id, now
 from contract.training_data import parse_jsonl
@@ -21,7 +22,7 @@ CHUNK = 1024 * 1024
 
 def to_openai(record: dict) -> dict:
     return {"id": record["id"], "object": "file", "bytes": record["bytes"], "created_at": record["created_at"],
-            "filename": record["filename"], "purpose": record["purpose"], "expires_at": None,
+            "filename": record["filename"], "purpose": record["purpose"], "expires_at": record.get("expires_at"),
             "status": "processed", "status_details": None}
 
 
@@ -33,10 +34,16 @@ def get_file(store: RecordStore, file_id: str, tenant: str, param: str | None = 
 
 
 @router.post("")
-async def upload_file(file: UploadFile, purpose: Annotated[str, Form()], tenant: TenantDep,
-                      settings: SettingsDep, store: StoreDep, limiter: LimiterDep):
+def upload_file(file: UploadFile, purpose: Annotated[str, Form()], tenant: TenantDep, settings: SettingsDep,
+                store: StoreDep, limiter: LimiterDep,
+                anchor: Annotated[Literal["created_at"] | None, Form(alias="expires_after[anchor]")] = None,
+                seconds: Annotated[int | None, Form(alias="expires_after[seconds]", ge=3600, le=30 * 86400)] = None):
+    # A plain def: FastAPI runs it in its thread pool, so copying and parsing a large upload never blocks the
+    # event loop (the multipart parser has already spooled the body to a temporary file).
     if purpose not in UPLOAD_PURPOSES:
         raise invalid(f"purpose must be one of {sorted(UPLOAD_PURPOSES)}, not '{purpose}'.", param="purpose")
+    if (anchor is None) != (seconds is None):
+        raise invalid("expires_after needs both anchor ('created_at') and seconds.", param="expires_after")
     storage_left = limiter.storage_left(store, tenant)
     file_id = new_id("file")
     path = file_path(settings.artifact_root, tenant, file_id)
@@ -46,7 +53,7 @@ async def upload_file(file: UploadFile, purpose: Annotated[str, Form()], tenant:
     partial = path.with_suffix(".partial")
     try:
         with partial.open("wb") as out:
-            while chunk := await file.read(CHUNK):
+            while chunk := file.file.read(CHUNK):
                 size += len(chunk)
                 if size > settings.max_upload_bytes:
                     raise APIError(413, f"The file is larger than the limit of {settings.max_upload_bytes} bytes.",
@@ -64,9 +71,13 @@ async def upload_file(file: UploadFile, purpose: Annotated[str, Form()], tenant:
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
-    record = {"id": file_id, "tenant": tenant, "bytes": size, "created_at": now(),
-              "filename": safe_name(file.filename or "upload.jsonl"), "purpose": purpose}
+    created = now()
+    record = {"id": file_id, "tenant": tenant, "bytes": size, "created_at": created,
+              "filename": safe_name(file.filename or "upload.jsonl"), "purpose": purpose,
+              "expires_at": created + seconds if seconds else None}
     store.create("file", record)
+    if seconds:
+        retention.expire_file_at(store, tenant, file_id, created + seconds)
     return to_openai(record)
 
 

@@ -149,10 +149,16 @@ def list_jobs(request: Request, tenant: TenantDep, store: StoreDep, after: str |
     if wanted is None:
         records, has_more = store.page("ftjob", tenant, after, limit)
     else:
-        everything, _ = store.page("ftjob", tenant, None, 10**9)
-        matching = [r for r in everything if _matches(r.get("metadata") or {}, wanted)]
-        rest = after_cursor(matching, after, key=lambda r: r["id"])
-        records, has_more = rest[:limit], len(rest) > limit
+        # Read in batches until the page (and one more, for has_more) is found after the cursor.
+        records, seen_cursor = [], not after
+        for record in store.scan("ftjob", tenant):
+            if not seen_cursor:
+                seen_cursor = record["id"] == after
+            elif _matches(record.get("metadata") or {}, wanted):
+                records.append(record)
+                if len(records) > limit:
+                    break
+        records, has_more = records[:limit], len(records) > limit
     return {"object": "list", "data": [to_openai(r) for r in records], "has_more": has_more}
 
 
