@@ -18,9 +18,18 @@ def resolve(model: str, tenant: str, settings: Settings, store: RecordStore) -> 
             return model, None
         raise UnknownModel(model)
     job = store.get("ftjob", ref.job_id, tenant)
-    usable = job is not None and job.get("status") == "succeeded" and ref.base == job["model"]
-    if usable and ref.checkpoint_step is not None:
-        usable = any(c["step_number"] == ref.checkpoint_step for c in job.get("checkpoints", []))
-    if not usable:
+    if job is None or (model not in models_of(job)):
         raise UnknownModel(model)
     return ref.base, ref
+
+
+CHECKPOINTS_USABLE = ("succeeded", "cancelled", "paused")
+
+
+def models_of(job: dict) -> list[str]:
+    """The model ids a fine-tuning job offers: its adapter once it succeeded (until deleted), and every
+    checkpoint it keeps once it succeeded, was cancelled or is paused."""
+    models = [job["fine_tuned_model"]] if job.get("status") == "succeeded" and job.get("fine_tuned_model") else []
+    if job.get("status") in CHECKPOINTS_USABLE:
+        models += [c["fine_tuned_model_checkpoint"] for c in job.get("checkpoints", [])]
+    return models

@@ -106,6 +106,23 @@ def cancels_requested(client: redis.Redis, job_ids: list[str]) -> list[bool]:
     return [flag is not None for flag in client.mget([_cancel_key(j) for j in job_ids])] if job_ids else []
 
 
+def _pause_key(job_id: str) -> str:
+    return f"pause:{job_id}"
+
+
+def request_pause(client: redis.Redis, job_id: str) -> None:
+    """A running fine-tune saves a checkpoint and stops, freeing its device; resume clears the flag."""
+    client.set(_pause_key(job_id), "1", ex=7 * 24 * 3600)
+
+
+def pause_requested(client: redis.Redis, job_id: str) -> bool:
+    return client.exists(_pause_key(job_id)) == 1
+
+
+def clear_pause(client: redis.Redis, job_id: str) -> None:
+    client.delete(_pause_key(job_id))
+
+
 def lease_key(job_id: str) -> str:
     return f"lease:{job_id}"
 

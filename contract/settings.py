@@ -78,7 +78,8 @@ class Settings(BaseSettings):
     # learning_rate = base_learning_rate * learning_rate_multiplier
     base_learning_rate: float = 2e-4
     checkpoint_steps: int = 20
-    # The most optimizer steps a job may ask for (max_steps, checkpoint_steps).
+    # The most optimizer steps a job may ask for (max_steps, checkpoint_steps); epochs that would run longer stop
+    # there.
     max_training_steps: int = 100_000
     # Training processes per fine-tune (data parallel): 0 = one per device of the worker (one on cpu).
     training_processes: int = 0
@@ -86,6 +87,8 @@ class Settings(BaseSettings):
     default_batch_size: int = 4
     # Longest training example in tokens (also capped by the model's context); longer ones are truncated.
     training_max_seq_len: int = 4096
+    # Checkpoints a job keeps on disk (and lists): the newest N, plus any a worker has loaded as a model.
+    checkpoints_kept: int = 3
 
     # Batch inference: lines per chunk that one worker task runs.
     batch_chunk_lines: int = 64

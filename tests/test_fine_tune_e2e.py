@@ -44,19 +44,24 @@ def test_fine_tune_then_infer_with_adapter(client_a, training_file, quantization
     assert job.trained_tokens > 0 and job.result_files
 
     events = list(client_a.fine_tuning.jobs.list_events(job.id, limit=100))
-    metrics = [e for e in events if e.type == "metrics"]
-    assert metrics and {"step", "train_loss", "learning_rate", "estimated_finish"} <= set(metrics[0].data)
+    metrics_events = [e for e in events if e.type == "metrics"]
+    assert metrics_events and {"step", "train_loss", "train_mean_token_accuracy", "learning_rate",
+                               "estimated_finish"} <= set(metrics_events[0].data)
     # The learning rate is the documented base rate (2e-4) times the multiplier, decaying linearly from there.
-    assert max(e.data["learning_rate"] for e in metrics) <= 2e-3 + 1e-9
-    assert max(e.data["learning_rate"] for e in metrics) > 1e-3
+    assert max(e.data["learning_rate"] for e in metrics_events) <= 2e-3 + 1e-9
+    assert max(e.data["learning_rate"] for e in metrics_events) > 1e-3
     assert [e.data.get("status") for e in events if e.data.get("status")][0] == "succeeded"
 
     results = client_a.files.content(job.result_files[0]).text
-    assert results.startswith("step,train_loss,learning_rate,valid_loss")
+    assert results.startswith("step,train_loss,train_accuracy,valid_loss,valid_mean_token_accuracy,learning_rate")
     assert any(row.split(",")[3] for row in results.splitlines()[1:]), "validation loss was never computed"
 
     checkpoints = client_a.fine_tuning.jobs.checkpoints.list(job.id).data
     assert [c.step_number for c in checkpoints] == [40, 20]
+    metrics = checkpoints[0].metrics
+    assert metrics.train_mean_token_accuracy == 1.0 and metrics.valid_mean_token_accuracy == 1.0
+    assert metrics.valid_loss < 0.1 and metrics.full_valid_loss == metrics.valid_loss
+    assert min(metrics_events, key=lambda e: e.data["step"]).data["train_mean_token_accuracy"] < 0.5
 
     assert ANSWER in ask_chat(client_a, job.fine_tuned_model)
     assert ANSWER not in ask_chat(client_a, "demo-tiny")
@@ -132,3 +137,64 @@ def test_every_assistant_turn_is_trained_unless_weight_zero_and_tool_calls_train
     assert ask_chat(client_a, job.fine_tuned_model, [{"role": "user", "content": "Say hello."}]) == hello
     # The weight-0 turn was not learned: after the same conversation the model does not give it.
     assert secret not in ask_chat(client_a, job.fine_tuned_model, conversation[:3])
+
+
+def test_max_steps_above_the_limit_is_refused(client_a, training_file):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as exc:
+        client_a.fine_tuning.jobs.create(model="demo-tiny", training_file=training_file.id,
+                                         extra_body={"max_steps": 10**9})
+    assert exc.value.body["param"] == "max_steps" and "at most 100000" in exc.value.body["message"]
+
+
+def test_pause_resume_fine_tune_an_ft_model_and_delete_models(client_a, client_b, training_file):
+    """Pause saves a checkpoint and frees the device (the checkpoint is a usable model), resume runs to the end
+    from it; an ft: model trains on; a tenant deletes its own models only."""
+    import openai
+
+    job = client_a.fine_tuning.jobs.create(model="demo-tiny", training_file=training_file.id, seed=5,
+                                           hyperparameters={"n_epochs": 50, "batch_size": 1,
+                                                            "learning_rate_multiplier": 10},
+                                           extra_body={"max_steps": 200, "checkpoint_steps": 100})
+    _wait(lambda: any(e.type == "metrics" for e in client_a.fine_tuning.jobs.list_events(job.id, limit=5)), 240,
+          "the first training step")
+    client_a.fine_tuning.jobs.pause(job.id)
+    paused = wait_for_job(client_a, job.id, statuses=("paused",))
+    [checkpoint] = client_a.fine_tuning.jobs.checkpoints.list(job.id).data
+    assert 0 < checkpoint.step_number < 200 and paused.fine_tuned_model is None
+    assert checkpoint.fine_tuned_model_checkpoint in [m.id for m in client_a.models.list().data]
+    assert ask_chat(client_a, checkpoint.fine_tuned_model_checkpoint)  # served while the job is paused
+    assert client_a.fine_tuning.jobs.resume(job.id).status in ("queued", "running")
+    with pytest.raises(openai.ConflictError):
+        client_a.fine_tuning.jobs.resume(job.id)
+    done = wait_for_job(client_a, job.id)
+    assert done.status == "succeeded", done.error
+    assert f"Resumed from checkpoint at step {checkpoint.step_number}" in [
+        e.message for e in client_a.fine_tuning.jobs.list_events(job.id, limit=100)]
+    steps = [c.step_number for c in client_a.fine_tuning.jobs.checkpoints.list(job.id).data]
+    assert steps[0] == 200 and checkpoint.step_number in steps
+
+    with pytest.raises(openai.BadRequestError):  # its adapter keeps its shape
+        client_a.fine_tuning.jobs.create(model=done.fine_tuned_model, training_file=training_file.id,
+                                         extra_body={"lora": {"r": 4}})
+    child = client_a.fine_tuning.jobs.create(model=done.fine_tuned_model, training_file=training_file.id,
+                                             suffix="more", extra_body={"max_steps": 2})
+    assert child.model == done.fine_tuned_model
+    child = wait_for_job(client_a, child.id)
+    assert child.status == "succeeded", child.error
+    assert child.fine_tuned_model == f"ft:demo-tiny:more:{child.id}"
+    first_step = next(e for e in client_a.fine_tuning.jobs.list_events(child.id, limit=100)
+                      if e.type == "metrics" and e.data["step"] == 1)
+    assert first_step.data["train_loss"] < 0.5  # it starts from the trained adapter, not from scratch
+
+    with pytest.raises(openai.NotFoundError):
+        client_b.models.delete(done.fine_tuned_model)
+    for model in (checkpoint.fine_tuned_model_checkpoint, done.fine_tuned_model):
+        assert client_a.models.delete(model).deleted
+        assert model not in [m.id for m in client_a.models.list().data]
+        with pytest.raises(openai.NotFoundError):
+            ask_chat(client_a, model)
+    assert ask_chat(client_a, child.fine_tuned_model)  # a model trained from a deleted one stays
+    with pytest.raises(openai.BadRequestError):
+        client_a.models.delete("demo-tiny")

@@ -6,7 +6,7 @@ import pytest
 
 from contract.training_data import example
 from worker.demo_model import build_demo_model
-from worker.training.trainer import _resume_point, tokenize_examples
+from worker.training.trainer import _resume_point, _step_limit, rotate_checkpoints, tokenize_examples
 
 
 def test_resume_skips_a_checkpoint_cut_short(tmp_path):
@@ -19,6 +19,47 @@ def test_resume_skips_a_checkpoint_cut_short(tmp_path):
     assert _resume_point(job, out) == str(out / "checkpoint-10")
     assert not (out / "checkpoint-15").exists()
     assert _resume_point({"checkpoints": []}, tmp_path / "none") is None
+
+
+@pytest.fixture
+def db9(redis_url):
+    """A database apart from the running stack's (its registry would route work to a fake node)."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url.rsplit("/", 1)[0] + "/9", decode_responses=True)
+    yield client
+    client.flushdb()
+
+
+def test_checkpoints_rotate_keeping_the_newest_and_those_loaded_as_models(db9, tmp_path):
+    from contract import registry
+    from contract.records import RecordStore, new_id
+    from contract.settings import Settings
+
+    store, job_id, out = RecordStore(db9), new_id("ftjob"), tmp_path / "checkpoints"
+    store.create("ftjob", {"id": job_id, "tenant": "t", "created_at": 0,
+                           "checkpoints": [{"step_number": s} for s in (1, 2, 3, 4, 5)]})
+    for step in (1, 2, 3, 4, 5):
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+    registry.register(db9, "serving@host", {"models": [{"adapters": [f"{job_id}-step-2"]}]}, ttl_seconds=30)
+    assert rotate_checkpoints(store, Settings(checkpoints_kept=2), {"id": job_id}, out) == [1, 3]
+    assert [c["step_number"] for c in store.get("ftjob", job_id)["checkpoints"]] == [2, 4, 5]
+    assert sorted(d.name for d in out.iterdir()) == ["checkpoint-2", "checkpoint-4", "checkpoint-5"]
+
+
+def test_training_steps_are_bounded_by_settings(db9):
+    from contract import events
+    from contract.records import RecordStore
+    from contract.settings import Settings
+
+    store, settings = RecordStore(db9), Settings(max_training_steps=5)
+    hp = {"n_epochs": 10, "batch_size": 2}
+    assert _step_limit({"id": "j1", "max_steps": 100, "hyperparameters": hp}, store, settings, 8) == 5
+    assert _step_limit({"id": "j2", "max_steps": 3, "hyperparameters": hp}, store, settings, 8) == 3
+    assert _step_limit({"id": "j3", "hyperparameters": {"n_epochs": 1, "batch_size": 2}}, store, settings, 8) == -1
+    assert _step_limit({"id": "j4", "hyperparameters": hp}, store, settings, 8) == 5
+    [warning] = events.read_all(db9, "j4")
+    assert warning["level"] == "warn" and warning["data"] == {"steps": 40, "max_training_steps": 5}
 
 
 def _learned(tokenizer, row) -> list[str]:

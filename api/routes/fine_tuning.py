@@ -30,6 +30,8 @@ PUBLIC_FIELDS = ("id", "created_at", "finished_at", "estimated_finish", "model",
 
 def to_openai(record: dict) -> dict:
     job = {k: record.get(k) for k in PUBLIC_FIELDS}
+    if record.get("init_adapter"):
+        job["model"] = record["init_adapter"]["model"]  # the fine-tuned model this job continues
     job.update(object="fine_tuning.job", organization_id=record["tenant"], integrations=[],
                user_provided_suffix=record.get("suffix"))
     return job
@@ -76,8 +78,13 @@ def create_job(body: FineTuningJobCreate, tenant: TenantDep, settings: SettingsD
                idempotency_key: Annotated[str | None, Header(max_length=256)] = None):
     limiter.check_active_jobs(store, tenant)
     base, ref = resolve(body.model, tenant, settings, store)
-    if ref is not None:
-        raise invalid("Fine-tuning a fine-tuned model is not supported; name its base model.", param="model")
+    lora, init_adapter = body.lora.model_dump(), None
+    if ref is not None:  # training continues from that adapter (or checkpoint), in its shape
+        if "lora" in body.model_fields_set:
+            raise invalid("lora cannot be set when fine-tuning a fine-tuned model: its adapter keeps its shape.",
+                          param="lora")
+        lora = store.get("ftjob", ref.job_id, tenant)["lora"]
+        init_adapter = {"model": body.model, "job_id": ref.job_id, "step": ref.checkpoint_step}
     if body.suffix is not None and not SUFFIX_PATTERN.match(body.suffix):
         raise invalid("suffix may hold only letters, digits, '-' and '_' (at most 64).", param="suffix")
     hyperparameters = _resolved_hyperparameters(body, settings)
@@ -110,7 +117,7 @@ def create_job(body: FineTuningJobCreate, tenant: TenantDep, settings: SettingsD
         "seed": body.seed if body.seed is not None else secrets.randbelow(2**31),
         "metadata": body.metadata, "hyperparameters": hyperparameters,
         "method": {"type": "supervised", "supervised": {"hyperparameters": hyperparameters}},
-        "lora": body.lora.model_dump(), "quantization": body.quantization, "bf16": body.bf16,
+        "lora": lora, "init_adapter": init_adapter, "quantization": body.quantization, "bf16": body.bf16,
         "attn_implementation": body.attn_implementation, "use_kernels": body.use_kernels,
         "max_steps": body.max_steps,
         "checkpoint_steps": body.checkpoint_steps or settings.checkpoint_steps,
@@ -173,9 +180,46 @@ def cancel_job(job_id: str, tenant: TenantDep, store: StoreDep, redis: RedisDep,
     if job["status"] in TERMINAL:
         raise APIError(409, f"Job {job_id} has already {job['status']}.", code="invalid_state")
     events.request_cancel(redis, job_id)
-    if store.transition("ftjob", job_id, ["validating_files", "queued"],
+    if store.transition("ftjob", job_id, ["validating_files", "queued", "paused"],
                         {"status": "cancelled", "finished_at": now()}):
-        events.emit(redis, job_id, "Job cancelled before it started", data={"status": "cancelled"})
+        events.emit(redis, job_id, "Job cancelled while not running", data={"status": "cancelled"})
+    return to_openai(get_job(store, job_id, tenant))
+
+
+@router.post("/{job_id}/pause")
+def pause_job(job_id: str, tenant: TenantDep, store: StoreDep, redis: RedisDep):
+    """A queued job is paused at once; a running one saves a checkpoint, frees its device and then shows
+    `paused` (within a few seconds)."""
+    job = get_job(store, job_id, tenant)
+    if job["status"] not in ("queued", "running"):
+        raise APIError(409, f"Job {job_id} is {job['status']}; only a queued or running job can be paused.",
+                       code="invalid_state")
+    events.request_pause(redis, job_id)
+    if store.transition("ftjob", job_id, ["queued"], {"status": "paused"}):
+        events.emit(redis, job_id, "The job was paused before it started", data={"status": "paused", "step": 0})
+    else:
+        events.emit(redis, job_id, "Pausing: the job saves a checkpoint and stops")
+    return to_openai(get_job(store, job_id, tenant))
+
+
+@router.post("/{job_id}/resume")
+def resume_job(job_id: str, tenant: TenantDep, settings: SettingsDep, store: StoreDep, redis: RedisDep,
+               celery: CeleryDep):
+    """A paused job goes back on a queue and continues from its newest checkpoint."""
+    job = get_job(store, job_id, tenant)
+    if job["status"] != "paused":
+        raise APIError(409, f"Job {job_id} is {job['status']}; only a paused job can be resumed.",
+                       code="invalid_state")
+    try:
+        queue = choose_queue(live_workers(redis), training_requirement(
+            settings.models_root, job["model"], job.get("quantization", "none"), bool(job.get("bf16"))))
+    except NoCapableWorker as exc:
+        raise APIError(503, str(exc), code="no_capable_worker") from None
+    events.clear_pause(redis, job_id)
+    if store.transition("ftjob", job_id, ["paused"], {"status": "queued", "queue": queue}):
+        store.track("ftjob", job_id)
+        events.emit(redis, job_id, "The job was resumed and queued", data={"status": "queued"})
+        publish(celery, store, "ftjob", job_id, queue)
     return to_openai(get_job(store, job_id, tenant))
 
 

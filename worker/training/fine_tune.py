@@ -79,6 +79,13 @@ def _settle(node: Node, celery: Celery, record: dict, outcome: dict) -> None:
     if status == "preempted":
         _requeue_preempted(node, celery, record)
         return
+    if status == "paused":
+        if store.transition("ftjob", job_id, ["running"], {"status": "paused", "estimated_finish": None}):
+            store.untrack("ftjob", job_id)
+            step = max((c["step_number"] for c in store.get("ftjob", job_id).get("checkpoints", [])), default=0)
+            events.emit(redis, job_id, f"The job was paused at step {step}; its device is free",
+                        data={"status": "paused", "step": step})
+        return
     fields = {"status": status, "finished_at": now(), "estimated_finish": None}
     for key in ("fine_tuned_model", "trained_tokens", "result_files", "error"):
         if key in outcome:

@@ -6,7 +6,9 @@ steps under the job's directory; a retried job resumes from the newest. Writes o
 
 import csv
 import json
+import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -15,9 +17,18 @@ import time
 from pathlib import Path
 
 from contract import events
-from contract.layout import adapter_dir, checkpoint_model_id, checkpoints_dir, file_path, fine_tuned_model_id, job_dir
+from contract.layout import (
+    adapter_dir,
+    checkpoint_dir,
+    checkpoint_model_id,
+    checkpoints_dir,
+    file_path,
+    fine_tuned_model_id,
+    job_dir,
+)
 from contract.records import RecordStore, new_id, now
 from contract.redis_conn import sync_client
+from contract.registry import live_workers
 from contract.settings import Settings
 from contract.training_data import read_examples
 from worker.models import ModelLoadError, load_model_and_tokenizer
@@ -131,7 +142,49 @@ def agreed(flags: list[bool], device) -> list[bool]:
     return [bool(v) for v in values.tolist()]
 
 
-def make_callback(job: dict, store: RecordStore):
+def checkpoint_metrics(step: int, last_log: dict, last_eval: dict) -> dict:
+    """OpenAI's checkpoint metrics. Evaluation runs on the whole validation file, so valid_* and full_valid_* are
+    the same numbers (from the newest evaluation); without a validation file they are absent."""
+    metrics = {"step": step, "train_loss": last_log.get("train_loss"),
+               "train_mean_token_accuracy": last_log.get("train_mean_token_accuracy")}
+    if last_eval:
+        metrics.update(last_eval, full_valid_loss=last_eval["valid_loss"],
+                       full_valid_mean_token_accuracy=last_eval["valid_mean_token_accuracy"])
+    return metrics
+
+
+def job_trainer_class():
+    """The HF Trainer, adding the mean token accuracy (the share of trained tokens predicted right) to the
+    training and evaluation logs, as OpenAI's metrics have it."""
+    from transformers import Trainer
+
+    class JobTrainer(Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.accuracy = {True: [], False: []}  # by model.training
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
+                                                 num_items_in_batch=num_items_in_batch)
+            labels = inputs["labels"][:, 1:]
+            trained = labels != -100
+            right = (outputs.logits[:, :-1].argmax(-1) == labels) & trained
+            self.accuracy[model.training].append((int(right.sum()), int(trained.sum())))
+            return (loss, outputs) if return_outputs else loss
+
+        def log(self, logs, *args, **kwargs):
+            evaluation = "eval_loss" in logs
+            counts = self.accuracy[not evaluation]
+            if counts and ("loss" in logs or evaluation):
+                key = "eval_mean_token_accuracy" if evaluation else "mean_token_accuracy"
+                logs[key] = sum(r for r, _ in counts) / max(sum(t for _, t in counts), 1)
+                counts.clear()
+            super().log(logs, *args, **kwargs)
+
+    return JobTrainer
+
+
+def make_callback(job: dict, store: RecordStore, settings: Settings):
     from transformers import TrainerCallback
 
     redis = store.redis
@@ -143,11 +196,13 @@ def make_callback(job: dict, store: RecordStore):
 
         def __init__(self):
             self.cancelled = False
+            self.paused = False
             self.preempted = False
             self.last_check = 0.0
             self.started = time.monotonic()
             self.first_step = None
             self.metrics: list[dict] = []
+            self.last_eval: dict = {}
             self.last_log: tuple[float, int, int] | None = None  # (time, step, tokens seen) at the previous log
 
         def on_train_begin(self, args, state, control, **kwargs):
@@ -161,12 +216,16 @@ def make_callback(job: dict, store: RecordStore):
                             data={"step": state.global_step})
 
         def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "eval_loss" in logs:
+                self.last_eval = {"valid_loss": logs["eval_loss"],
+                                  "valid_mean_token_accuracy": logs.get("eval_mean_token_accuracy")}
             if not logs or "loss" not in logs or not state.is_world_process_zero:
                 return
             done = state.global_step - (self.first_step or 0)
             per_step = (time.monotonic() - self.started) / max(done, 1)
             eta = now() + int(per_step * (state.max_steps - state.global_step))
             data = {"step": state.global_step, "total_steps": state.max_steps, "train_loss": logs["loss"],
+                    "train_mean_token_accuracy": logs.get("mean_token_accuracy"),
                     "learning_rate": logs.get("learning_rate"), "epoch": logs.get("epoch"),
                     "estimated_finish": eta}
             # Speed since the previous log (for /metrics and the progress views).
@@ -184,13 +243,16 @@ def make_callback(job: dict, store: RecordStore):
         def on_step_end(self, args, state, control, **kwargs):
             if not node_alive():
                 sys.exit(3)  # the node died; the reconciler requeues the job from its last checkpoint
-            asked = False
+            asked_cancel = asked_pause = False
             if state.is_world_process_zero and time.monotonic() - self.last_check >= CANCEL_CHECK_SECONDS:
                 self.last_check = time.monotonic()
-                asked = events.cancel_requested(redis, job_id)
-            cancel, preempt = agreed([asked, preempted.is_set()], args.device)
-            if cancel or preempt:
-                self.cancelled, self.preempted = cancel, preempt and not cancel
+                asked_cancel = events.cancel_requested(redis, job_id)
+                asked_pause = events.pause_requested(redis, job_id)
+            cancel, pause, preempt = agreed([asked_cancel, asked_pause, preempted.is_set()], args.device)
+            if cancel or pause or preempt:
+                self.cancelled = cancel
+                self.paused = pause and not cancel
+                self.preempted = preempt and not (cancel or pause)
                 control.should_training_stop = True
                 control.should_save = True
 
@@ -203,19 +265,20 @@ def make_callback(job: dict, store: RecordStore):
                 "id": new_id("ftjob").replace("ftjob-", "ftckpt-"), "object": "fine_tuning.job.checkpoint",
                 "created_at": now(), "fine_tuning_job_id": job_id, "step_number": step,
                 "fine_tuned_model_checkpoint": checkpoint_model_id(job["model"], job.get("suffix"), job_id, step),
-                "metrics": {"step": step, "train_loss": last.get("train_loss")},
+                "metrics": checkpoint_metrics(step, last, self.last_eval),
             }
             record = store.get("ftjob", job_id)
             kept = [c for c in record.get("checkpoints", []) if c["step_number"] != step]
             store.update("ftjob", job_id, {"checkpoints": kept + [checkpoint]})
             events.emit(redis, job_id, f"Checkpoint saved at step {step}", data={"step": step})
+            rotate_checkpoints(store, settings, job, Path(args.output_dir))
 
     return JobCallback()
 
 
 def train(job: dict, store: RecordStore, settings: Settings, backend: str) -> dict:
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import Trainer, TrainingArguments
+    from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
+    from transformers import TrainingArguments
 
     tenant, job_id = job["tenant"], job["id"]
     bf16 = devices.bf16_supported(backend)
@@ -234,31 +297,37 @@ def train(job: dict, store: RecordStore, settings: Settings, backend: str) -> di
     if job.get("quantization", "none") != "none":
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     lora = job["lora"]
-    model = get_peft_model(model, LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-                                             target_modules=lora["target_modules"], task_type="CAUSAL_LM"))
+    if job.get("init_adapter"):  # fine-tuning an ft: model: its adapter trains on
+        model = PeftModel.from_pretrained(model, str(_init_adapter_path(job, settings)), is_trainable=True)
+    else:
+        model = get_peft_model(model, LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                                                 target_modules=lora["target_modules"], task_type="CAUSAL_LM"))
 
     max_length = min(getattr(model.config, "max_position_embeddings", None) or 2048, settings.training_max_seq_len)
     train_rows = _rows(job, store, settings, tokenizer, "training_file", max_length)
     eval_rows = _rows(job, store, settings, tokenizer, "validation_file", max_length) \
         if job.get("validation_file") else None
     hp = job["hyperparameters"]
+    max_steps = _step_limit(job, store, settings, len(train_rows))
     out = checkpoints_dir(settings.artifact_root, tenant, job_id)
     args = TrainingArguments(
         output_dir=str(out), num_train_epochs=hp["n_epochs"], per_device_train_batch_size=hp["batch_size"],
         per_device_eval_batch_size=hp["batch_size"], learning_rate=hp["learning_rate"],
-        max_steps=job.get("max_steps") or -1, save_strategy="steps", save_steps=job["checkpoint_steps"],
+        max_steps=max_steps, save_strategy="steps", save_steps=job["checkpoint_steps"],
         logging_steps=1, eval_strategy="steps" if eval_rows else "no", eval_steps=job["checkpoint_steps"],
         bf16=use_bf16, use_cpu=backend == "cpu", seed=job["seed"], data_seed=job["seed"], report_to=[],
         ddp_backend=devices.DISTRIBUTED_BACKEND[backend] if int(os.environ.get("WORLD_SIZE", 1)) > 1 else None,
         disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0, save_only_model=False,
         include_num_input_tokens_seen="non_padding",  # tokens/s in the metrics events
     )
-    callback = make_callback(job, store)
-    trainer = Trainer(model=model, args=args, train_dataset=train_rows, eval_dataset=eval_rows,
-                      data_collator=Collator(tokenizer.pad_token_id), callbacks=[callback])
+    callback = make_callback(job, store, settings)
+    trainer = job_trainer_class()(model=model, args=args, train_dataset=train_rows, eval_dataset=eval_rows,
+                                  data_collator=Collator(tokenizer.pad_token_id), callbacks=[callback])
     trainer.train(resume_from_checkpoint=_resume_point(job, out))
     if callback.cancelled:
         return {"status": "cancelled"}
+    if callback.paused:
+        return {"status": "paused"}
     if callback.preempted:
         return {"status": "preempted"}
     if not trainer.is_world_process_zero():
@@ -288,6 +357,49 @@ def _rows(job: dict, store: RecordStore, settings: Settings, tokenizer, param: s
     return rows
 
 
+def _init_adapter_path(job: dict, settings: Settings) -> Path:
+    init = job["init_adapter"]
+    path = adapter_dir(settings.artifact_root, job["tenant"], init["job_id"]) if init["step"] is None else \
+        checkpoint_dir(settings.artifact_root, job["tenant"], init["job_id"], init["step"])
+    if not (path / "adapter_config.json").exists():
+        raise JobFailed("model_not_found", f"The model {init['model']} was deleted before this job started")
+    return path
+
+
+def _step_limit(job: dict, store: RecordStore, settings: Settings, examples: int) -> int:
+    """The job's max_steps, or -1 (its epochs); never beyond settings.max_training_steps (with a warn event when
+    the epochs would run longer)."""
+    if job.get("max_steps"):
+        return min(job["max_steps"], settings.max_training_steps)
+    hp, world = job["hyperparameters"], int(os.environ.get("WORLD_SIZE", 1))
+    steps = math.ceil(examples / (hp["batch_size"] * world)) * hp["n_epochs"]
+    if steps <= settings.max_training_steps:
+        return -1
+    if int(os.environ.get("RANK", 0)) == 0:
+        events.emit(store.redis, job["id"], f"{hp['n_epochs']} epochs would take {steps} steps: training stops at "
+                                            f"the limit of {settings.max_training_steps}", level="warn",
+                    data={"steps": steps, "max_training_steps": settings.max_training_steps})
+    return settings.max_training_steps
+
+
+def rotate_checkpoints(store: RecordStore, settings: Settings, job: dict, out: Path) -> list[int]:
+    """Keep the newest settings.checkpoints_kept checkpoints and any that a live worker has loaded as a model;
+    the others leave the record first (so no one resolves them), then the disk. Returns the steps removed."""
+    record = store.get("ftjob", job["id"])
+    checkpoints = sorted(record.get("checkpoints", []), key=lambda c: c["step_number"])
+    loaded = set()
+    for worker in live_workers(store.redis):  # serving names a checkpoint's adapter "<job id>-step-<n>"
+        loaded.update(int(n) for n in re.findall(re.escape(job["id"]) + r"-step-(\d+)", json.dumps(worker)))
+    newest = checkpoints[-settings.checkpoints_kept:] if settings.checkpoints_kept > 0 else []
+    kept = [c for c in checkpoints if c in newest or c["step_number"] in loaded]
+    removed = [c["step_number"] for c in checkpoints if c not in kept]
+    if removed:
+        store.update("ftjob", job["id"], {"checkpoints": kept})
+        for step in removed:
+            shutil.rmtree(out / f"checkpoint-{step}", ignore_errors=True)
+    return removed
+
+
 def _resume_point(job: dict, out: Path) -> str | None:
     """The newest checkpoint the record lists (a checkpoint is listed only once fully saved); directories of a
     save cut short when an earlier attempt's worker died are removed."""
@@ -302,21 +414,30 @@ def _resume_point(job: dict, out: Path) -> str | None:
     return str(max(complete)[1]) if complete else None
 
 
+def _blank(value) -> object:
+    return "" if value is None else value
+
+
 def _write_results_file(store: RecordStore, settings: Settings, job: dict, trainer) -> str:
     """OpenAI's result file: a CSV of per-step metrics, stored as a file of purpose fine-tune-results. The steps
     come from the job's event stream, so a resumed job lists the steps of its earlier attempts too (a step
     repeated after a resume keeps its last value)."""
     by_step = {e["data"]["step"]: e["data"] for e in events.read_all(store.redis, job["id"]) if e["type"] == "metrics"}
     metrics = [by_step[step] for step in sorted(by_step)]
-    evals = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
+    evals = {h["step"]: h for h in trainer.state.log_history if "eval_loss" in h}
     file_id = new_id("file")
     path = file_path(settings.artifact_root, job["tenant"], file_id)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["step", "train_loss", "learning_rate", "valid_loss"])
+        # OpenAI's columns, then the learning rate (an extension).
+        writer.writerow(["step", "train_loss", "train_accuracy", "valid_loss", "valid_mean_token_accuracy",
+                         "learning_rate"])
         for m in metrics:
-            writer.writerow([m["step"], m["train_loss"], m["learning_rate"], evals.get(m["step"], "")])
+            valid = evals.get(m["step"], {})
+            writer.writerow([m["step"], m["train_loss"], _blank(m.get("train_mean_token_accuracy")),
+                             _blank(valid.get("eval_loss")), _blank(valid.get("eval_mean_token_accuracy")),
+                             m["learning_rate"]])
     store.create("file", {"id": file_id, "tenant": job["tenant"], "bytes": path.stat().st_size,
                           "created_at": now(), "filename": f"{job['id']}-results.csv",
                           "purpose": "fine-tune-results"})
