@@ -72,8 +72,9 @@ class Settings(BaseSettings):
     engine_max_batch_size: int = 256
     # Longest sequence (prompt + output) the engine's cache holds per request (capped by the model's context).
     engine_max_seq_len: int = 4096
-    # Threads of a worker node: concurrent inference requests it accepts and batches together.
-    worker_concurrency: int = 16
+    # Threads of a worker node: concurrent inference requests it accepts and batches together. 64: a burst of 64
+    # live chats shares one engine batch (16 left three quarters of it waiting in the queue).
+    worker_concurrency: int = 64
 
     # learning_rate = base_learning_rate * learning_rate_multiplier
     base_learning_rate: float = 2e-4
