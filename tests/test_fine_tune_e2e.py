@@ -2,6 +2,7 @@
 then infer with the adapter through responses (background) and chat completions."""
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import _wait, wait_for_job
@@ -198,3 +199,62 @@ def test_pause_resume_fine_tune_an_ft_model_and_delete_models(client_a, client_b
     assert ask_chat(client_a, child.fine_tuned_model)  # a model trained from a deleted one stays
     with pytest.raises(openai.BadRequestError):
         client_a.models.delete("demo-tiny")
+
+
+def test_adapter_download_loads_in_peft_and_an_imported_adapter_is_served(client_a, client_b, training_file,
+                                                                           http_a, stack_env, tmp_path):
+    import io
+    import zipfile
+
+    import openai
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    job = client_a.fine_tuning.jobs.create(
+        model="demo-tiny", training_file=training_file.id, seed=2,
+        hyperparameters={"n_epochs": 40, "batch_size": 8, "learning_rate_multiplier": 10},
+        extra_body={"lora": {"r": 8, "alpha": 16, "dropout": 0.0}, "checkpoint_steps": 20})
+    job = wait_for_job(client_a, job.id)
+    assert job.status == "succeeded", job.error
+    archive = http_a.get(f"/v1/fine_tuning/jobs/{job.id}/adapter")
+    assert archive.status_code == 200 and archive.headers["content-type"] == "application/zip"
+    zipfile.ZipFile(io.BytesIO(archive.content)).extractall(tmp_path / "adapter")
+    base = AutoModelForCausalLM.from_pretrained(Path(stack_env["XPUJOBS_MODELS_ROOT"]) / "demo-tiny")
+    loaded = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    assert loaded.peft_config["default"].r == 8
+    [checkpoint, _] = client_a.fine_tuning.jobs.checkpoints.list(job.id).data
+    assert http_a.get(f"/v1/fine_tuning/jobs/{job.id}/checkpoints/{checkpoint.id}/adapter").status_code == 200
+    assert http_a.get(f"/v1/fine_tuning/jobs/{job.id}/checkpoints/ftckpt-nope/adapter").status_code == 404
+
+    # The same archive comes back in as another tenant's model, served by its own ft: id.
+    upload = client_b.files.create(file=("adapter.zip", archive.content), purpose="adapter")
+    imported = client_b.post("/models", cast_to=object, body={"model": "demo-tiny", "adapter_file": upload.id,
+                                                              "suffix": "imported"})
+    assert imported["id"].startswith("ft:demo-tiny:imported:ftjob-")
+    assert ask_chat(client_b, imported["id"]) == ANSWER
+    assert imported["id"] in [m.id for m in client_b.models.list().data]
+    with pytest.raises(openai.NotFoundError):
+        ask_chat(client_a, imported["id"])
+
+    def refused(files: dict[str, bytes]) -> str:
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w") as z:
+            for name, data in files.items():
+                z.writestr(name, data)
+        bad = client_b.files.create(file=("bad.zip", buffer.getvalue()), purpose="adapter")
+        with pytest.raises(openai.BadRequestError) as exc:
+            client_b.post("/models", cast_to=object, body={"model": "demo-tiny", "adapter_file": bad.id})
+        assert exc.value.body["param"] == "adapter_file"
+        return exc.value.body["message"]
+
+    config = (tmp_path / "adapter" / "adapter_config.json").read_bytes()
+    weights = (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes()
+    assert "only safetensors" in refused({"adapter_config.json": config, "adapter_model.bin": b"pickle"})
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 32)},
+              tmp_path / "wrong.safetensors")
+    assert "has shape [8, 32]; this base needs [8, 64]" in refused(
+        {"adapter_config.json": config, "adapter_model.safetensors": (tmp_path / "wrong.safetensors").read_bytes()})
+    other_base = config.replace(b"demo-tiny", b"Llama-3-8B")
+    assert "trained for" in refused({"adapter_config.json": other_base, "adapter_model.safetensors": weights})

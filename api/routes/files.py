@@ -16,7 +16,8 @@ from contract.training_data import parse_jsonl
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
-UPLOAD_PURPOSES = {"fine-tune", "batch"}
+# "adapter" (an extension): a zip of a PEFT LoRA directory, registered as a model through POST /v1/models.
+UPLOAD_PURPOSES = {"fine-tune", "batch", "adapter"}
 CHUNK = 1024 * 1024
 
 

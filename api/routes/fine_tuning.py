@@ -3,16 +3,16 @@
 import secrets
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Request
+from fastapi import APIRouter, Header, Query, Request, Response
 
-from api import event_stream
+from api import adapter_archive, event_stream
 from api.catalog import resolve
 from api.deps import CeleryDep, LimiterDep, RedisDep, SettingsDep, StoreDep, TenantDep
 from api.errors import APIError, invalid, not_found
 from api.protocol.fine_tuning import FineTuningJobCreate, Hyperparameters
 from api.routes.files import get_file
 from contract import events
-from contract.layout import SUFFIX_PATTERN, file_path
+from contract.layout import SUFFIX_PATTERN, adapter_dir, checkpoint_dir, file_path
 from contract.queues import publish
 from contract.records import after_cursor, new_id, now
 from contract.registry import live_workers
@@ -249,3 +249,32 @@ def list_checkpoints(job_id: str, tenant: TenantDep, store: StoreDep, after: str
     page = checkpoints[:limit]
     return {"object": "list", "data": page, "has_more": len(checkpoints) > limit,
             "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None}
+
+
+def _archive(directory, name: str) -> Response:
+    if not (directory / "adapter_model.safetensors").exists():
+        raise APIError(404, f"The adapter of {name} is no longer stored.", code="not_found")
+    return Response(adapter_archive.pack(directory), media_type="application/zip",
+                    headers={"Content-Disposition": f'attachment; filename="{name}.zip"'})
+
+
+@router.get("/{job_id}/adapter")
+def download_adapter(job_id: str, tenant: TenantDep, settings: SettingsDep, store: StoreDep):
+    """Extension: the job's trained adapter as a zip of a PEFT directory (PeftModel.from_pretrained loads it)."""
+    job = get_job(store, job_id, tenant)
+    if job["status"] != "succeeded" or not job.get("fine_tuned_model"):
+        raise APIError(409, f"Job {job_id} has no adapter (status {job['status']}, or its model was deleted).",
+                       code="invalid_state")
+    return _archive(adapter_dir(settings.artifact_root, tenant, job_id), job_id)
+
+
+@router.get("/{job_id}/checkpoints/{checkpoint_id}/adapter")
+def download_checkpoint_adapter(job_id: str, checkpoint_id: str, tenant: TenantDep, settings: SettingsDep,
+                                store: StoreDep):
+    """Extension: one kept checkpoint's adapter, as a zip of a PEFT directory."""
+    job = get_job(store, job_id, tenant)
+    checkpoint = next((c for c in job.get("checkpoints", []) if c["id"] == checkpoint_id), None)
+    if checkpoint is None:
+        raise not_found("checkpoint", checkpoint_id)
+    step = checkpoint["step_number"]
+    return _archive(checkpoint_dir(settings.artifact_root, tenant, job_id, step), f"{job_id}-step-{step}")
