@@ -12,6 +12,8 @@ from typing import Any
 
 import redis
 
+from contract import webhooks
+
 STREAM_MAXLEN = 10_000
 
 
@@ -45,7 +47,10 @@ def emit(client: redis.Redis, job_id: str, message: str, *, level: str = "info",
         "type": type_,
         "data": json.dumps(data or {}),
     }
-    return client.xadd(stream_key(job_id), fields, maxlen=STREAM_MAXLEN, approximate=True)
+    entry = client.xadd(stream_key(job_id), fields, maxlen=STREAM_MAXLEN, approximate=True)
+    if data and "status" in data:  # a job's ending event goes out to its tenant's webhooks too
+        webhooks.job_ended(client, job_id, data["status"])
+    return entry
 
 
 def _to_event(entry: str, fields: dict[str, str]) -> dict[str, Any]:

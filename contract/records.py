@@ -19,6 +19,7 @@ ID_PREFIX = {
     "completion": "cmpl-",
     "batch": "batch_",
     "batch_request": "batch_req_",
+    "webhook": "wh_",
 }
 
 _CAS = """

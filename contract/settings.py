@@ -7,6 +7,15 @@ from pydantic import BaseModel, ConfigDict
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
+class WebhookEndpoint(BaseModel):
+    """An endpoint set in settings; event_types None = every ending event."""
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    secret: str  # Standard Webhooks: whsec_<base64>
+    event_types: list[str] | None = None
+
+
 class TenantLimits(BaseModel):
     """One tenant's own limits; a field left out takes the service-wide setting of the same name."""
     model_config = ConfigDict(extra="forbid")
@@ -104,6 +113,13 @@ class Settings(BaseSettings):
     max_stored_bytes: int = 0
     # Per-tenant overrides, e.g. {"acme": {"requests_per_minute": 600, "max_active_jobs": 4}}.
     tenant_limits: dict[str, TenantLimits] = {}
+
+    # Webhook endpoints per tenant, besides those created through POST /v1/webhooks:
+    # {"acme": [{"url": "https://...", "secret": "whsec_...", "event_types": ["batch.completed"]}]}.
+    webhooks: dict[str, list[WebhookEndpoint]] = {}
+    # Delay before each retry of a failed delivery; when they are used up, the delivery is dropped.
+    webhook_retry_seconds: list[float] = [5, 300, 1800, 7200, 18000, 36000]
+    webhook_timeout_seconds: float = 10.0
 
     # A bearer token the API's /metrics asks for (it shows every tenant's running jobs); empty: no token.
     metrics_key: str = ""

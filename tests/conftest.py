@@ -53,6 +53,7 @@ def stack_env(stack_dir, redis_url) -> dict[str, str]:
         "XPUJOBS_MAX_UPLOAD_BYTES": str(256 * 1024),
         "XPUJOBS_WORKER_CONCURRENCY": "8",
         "XPUJOBS_REQUEST_TIMEOUT_SECONDS": "120",
+        "XPUJOBS_WEBHOOK_RETRY_SECONDS": "[1, 1, 1]",
         "PYTHONUNBUFFERED": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": "1",

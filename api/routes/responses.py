@@ -10,7 +10,7 @@ from api.deps import CeleryDep, RedisDep, SettingsDep, StoreDep, TenantDep
 from api.errors import APIError, invalid, not_found
 from api.inference_service import TERMINAL, submit, wait_for
 from api.protocol.responses import ResponseRequest
-from contract import events
+from contract import events, webhooks
 from contract import inference_outputs as outputs
 from contract.records import RecordStore, after_cursor
 
@@ -112,5 +112,6 @@ def cancel_response(response_id: str, tenant: TenantDep, store: StoreDep, redis:
     events.request_cancel(redis, response_id)
     # Still queued: it never starts, since its task claims the record by compare-and-set. Running: the worker
     # sees the cancel flag and stops it in the engine.
-    store.transition("response", response_id, ["queued"], {"status": "cancelled"})
+    if store.transition("response", response_id, ["queued"], {"status": "cancelled"}):
+        webhooks.job_ended(redis, response_id, "cancelled")
     return to_openai(store.get("response", response_id, tenant))

@@ -42,6 +42,10 @@ def _start_node(**_):
     freeze_heap()  # after the imports
     _state["reconciler"] = Reconciler(settings, app)
     _state["reconciler"].start()
+    from worker.node.webhooks import WebhookDispatcher
+
+    _state["webhooks"] = WebhookDispatcher(settings, _state["node"].store, _state["node"].name)
+    _state["webhooks"].start()
 
 
 @signals.worker_shutting_down.connect
@@ -54,6 +58,8 @@ def _preempt_training(**_):
 def _stop_node(**_):
     if "reconciler" in _state:
         _state["reconciler"].stop()
+    if "webhooks" in _state:
+        _state["webhooks"].stop()
     if "node" in _state:
         from worker.serving.inference import host_for
 

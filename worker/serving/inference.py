@@ -8,7 +8,7 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Iterator
 
-from contract import catalog, events
+from contract import catalog, events, webhooks
 from contract.layout import adapter_dir, checkpoint_dir
 from contract.records import now
 from contract.settings import Settings
@@ -215,7 +215,8 @@ def run_request(node: Node, kind: str, record_id: str) -> None:
         fields = {"status": "failed", "error": {"code": "server_error", "message": f"{type(exc).__name__}: {exc}"}}
     fields.update(completed_at=now(), timings=timings)
     metrics.observe(kind, fields["status"], fields.get("result"), timings)
-    store.transition(kind, record_id, ["in_progress"], fields)
+    if store.transition(kind, record_id, ["in_progress"], fields) and record.get("background"):
+        webhooks.job_ended(redis, record_id, fields["status"])
     store.untrack(kind, record_id)
     node.job_finished(record_id)
     events.signal_done(redis, record_id)
