@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager, suppress
 from fastapi import FastAPI
 
 from api import errors, metrics
-from api.routes import batches, chat, completions, files, fine_tuning, models, responses, storage, webhooks, workers
+from api.routes import batches, chat, completions, files, fine_tuning, models, responses, storage, ui, webhooks, workers
 from api.tenant_limits import TenantLimiter
 from contract import retention
 from contract.queues import make_celery
@@ -50,7 +50,7 @@ def create_app(settings: Settings | None = None) -> errors.BodyLimits:
     errors.install(app)
     metrics.install(app)
     app.add_middleware(metrics.RequestMetrics)
-    for module in (files, fine_tuning, batches, responses, chat, completions, models, workers, storage, webhooks):
+    for module in (files, fine_tuning, batches, responses, chat, completions, models, workers, storage, webhooks, ui):
         app.include_router(module.router)
 
     @app.get("/health", include_in_schema=False)
