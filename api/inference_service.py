@@ -18,7 +18,7 @@ from contract.settings import Settings
 
 TERMINAL = {"completed", "failed", "cancelled", "incomplete"}
 # A failed request's code -> the status the caller gets; anything else is a server error.
-STATUS_OF = {"invalid_prompt": 400, "unsupported_attention": 400, "kernels_unavailable": 400,
+STATUS_OF = {"invalid_prompt": 400, "invalid_value": 400, "unsupported_attention": 400, "kernels_unavailable": 400,
              "model_not_found": 404}
 
 
@@ -66,4 +66,5 @@ def raise_unless_completed(record: dict) -> None:
     """A synchronous request that did not complete: the caller gets its error."""
     if record["status"] != "completed":
         error = record.get("error") or {"message": f"The request ended {record['status']}.", "code": None}
-        raise APIError(STATUS_OF.get(error.get("code"), 500), error["message"], code=error.get("code"))
+        raise APIError(STATUS_OF.get(error.get("code"), 500), error["message"], param=error.get("param"),
+                       code=error.get("code"))

@@ -1,7 +1,9 @@
 """OpenAI's response bodies for a finished inference, shared by the live endpoints and batch output files.
 
 `result` is the worker's outcome: {text, finish_reason, prompt_tokens, completion_tokens}, plus `choices` (a list
-of {text, finish_reason, completion_tokens}) when the request asked for several.
+of {text, finish_reason, completion_tokens}) when the request asked for several. A choice (or the result) also
+holds `tool_calls` (and `content`, the text before them) when the model called tools, and `logprobs` (chat's
+per-token entries) when asked for.
 """
 
 
@@ -14,12 +16,38 @@ def usage(result: dict) -> dict:
             "total_tokens": result["prompt_tokens"] + result["completion_tokens"]}
 
 
+def assistant_message(choice: dict) -> dict:
+    """The chat message of a choice; one with tool calls has content null, as OpenAI's does."""
+    calls = choice.get("tool_calls")
+    return {"role": "assistant", "content": choice["text"] if not calls else choice.get("content"),
+            "refusal": None, **({"tool_calls": calls} if calls else {})}
+
+
+def chat_logprobs(choice: dict) -> dict | None:
+    """`choice["logprobs"]` holds chat's per-token entries {token, logprob, bytes, top_logprobs} already."""
+    return None if choice.get("logprobs") is None else {"content": choice["logprobs"], "refusal": None}
+
+
+def completion_logprobs(choice: dict) -> dict | None:
+    """The legacy completions shape: parallel lists, and each step's top tokens as {token: logprob}."""
+    entries = choice.get("logprobs")
+    if entries is None:
+        return None
+    offsets, at = [], 0
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
+
+
 def chat_completion(request_id: str, created: int, model: str, result: dict) -> dict:
     return {
         "id": request_id, "object": "chat.completion", "created": created, "model": model,
         "system_fingerprint": result.get("system_fingerprint"),
-        "choices": [{"index": i, "message": {"role": "assistant", "content": c["text"], "refusal": None},
-                     "finish_reason": c["finish_reason"], "logprobs": None}
+        "choices": [{"index": i, "message": assistant_message(c), "finish_reason": c["finish_reason"],
+                     "logprobs": chat_logprobs(c)}
                     for i, c in enumerate(choices_of(result))],
         "usage": usage(result),
     }
@@ -29,7 +57,8 @@ def completion(request_id: str, created: int, model: str, result: dict) -> dict:
     return {
         "id": request_id, "object": "text_completion", "created": created, "model": model,
         "system_fingerprint": result.get("system_fingerprint"),
-        "choices": [{"index": i, "text": c["text"], "finish_reason": c["finish_reason"], "logprobs": None}
+        "choices": [{"index": i, "text": c["text"], "finish_reason": c["finish_reason"],
+                     "logprobs": completion_logprobs(c)}
                     for i, c in enumerate(choices_of(result))],
         "usage": usage(result),
     }
@@ -42,9 +71,29 @@ def response_status(status: str, result: dict | None) -> tuple[str, dict | None]
     return status, None
 
 
-def output_message(request_id: str, text: str, status: str = "completed") -> dict:
+def output_message(request_id: str, text: str, status: str = "completed", logprobs: list | None = None) -> dict:
     return {"type": "message", "id": "msg_" + request_id.removeprefix("resp_"), "status": status,
-            "role": "assistant", "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "role": "assistant", "content": [{"type": "output_text", "text": text, "annotations": [],
+                                              "logprobs": logprobs or []}]}
+
+
+def output_items(request_id: str, result: dict, status: str) -> list[dict]:
+    """A response's output: its function calls as function_call items, else one message."""
+    if result.get("tool_calls"):
+        return [{"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
+                 "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
+                for call in result["tool_calls"]]
+    return [output_message(request_id, result["text"], status, result.get("logprobs"))]
+
+
+def echo_options(request: dict) -> dict:
+    """What a response object repeats of its request's tools and text format, in the Responses API's shapes."""
+    choice = request.get("tool_choice") or "none"
+    return {"parallel_tool_calls": bool(request.get("parallel_tool_calls")),
+            "tool_choice": choice if choice in ("auto", "none", "required") else {"type": "function", "name": choice},
+            "tools": [{"type": "function", **t} for t in request.get("tools") or []],
+            "text": {"format": request.get("response_format") or {"type": "text"}},
+            "top_logprobs": request.get("logprobs")}
 
 
 def response(request_id: str, created: int, model: str, status: str, result: dict | None, request: dict,
@@ -54,7 +103,7 @@ def response(request_id: str, created: int, model: str, status: str, result: dic
     status, incomplete = response_status(status, result)
     output = []
     if result and status in ("completed", "incomplete", "cancelled"):
-        output = [output_message(request_id, result["text"], "incomplete" if incomplete else "completed")]
+        output = output_items(request_id, result, "incomplete" if incomplete else "completed")
     usage = None
     if result:
         usage = {"input_tokens": result["prompt_tokens"], "output_tokens": result["completion_tokens"],
@@ -65,7 +114,7 @@ def response(request_id: str, created: int, model: str, status: str, result: dic
         "output": output, "background": background, "error": error, "incomplete_details": incomplete,
         "instructions": request.get("instructions"), "max_output_tokens": request.get("max_output_tokens"),
         "temperature": request.get("temperature"), "top_p": request.get("top_p"), "metadata": metadata or {},
-        "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "text": {"format": {"type": "text"}},
+        **echo_options(request),
         "usage": usage, "store": True, "previous_response_id": None, "truncation": "disabled",
         "service_tier": "default", "user": None, "safety_identifier": None, **(options or {}),
     }

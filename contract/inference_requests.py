@@ -2,13 +2,16 @@
 
 The API validates live requests with them and the workers validate batch lines with the same schemas; both
 turn a body into one normal form: {model, messages | prompt, max_tokens, temperature, top_p, seed, stop,
-attn_implementation}.
+attn_implementation}, plus the options of contract/inference_options.py (structured outputs, tools, logprobs,
+penalties).
 """
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, StringConstraints, field_validator, model_validator
+from pydantic import BaseModel, Discriminator, Field, StringConstraints, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
+
+from contract.inference_options import ChatOptions, CompletionOptions, ResponseOptions, Strict
 
 Attention = Literal["sdpa", "eager", "flash_attention_2"]
 # OpenAI's limits: at most 16 pairs, keys up to 64 characters, values up to 512.
@@ -27,10 +30,31 @@ def text_of(content: str | list[dict]) -> str:
     return "".join(part.get("text", "") for part in content if isinstance(part, dict))
 
 
+class CalledFunction(Strict):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[dict]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict] | None = None
     type: Literal["message"] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    @model_validator(mode="after")
+    def _content_needed(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required, except in an assistant message with tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     @field_validator("content")
     @classmethod
@@ -45,7 +69,61 @@ class Message(BaseModel):
         return content
 
     def normal(self) -> dict:
-        return {"role": "system" if self.role == "developer" else self.role, "content": text_of(self.content)}
+        message = {"role": "system" if self.role == "developer" else self.role,
+                   "content": None if self.content is None else text_of(self.content)}
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionCallItem(Strict):
+    """A Responses input item: a call the model made in an earlier turn."""
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(Strict):
+    """A Responses input item: a function's result, answering the call with the same call_id."""
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+def _item_kind(item) -> str:
+    kind = item.get("type") if isinstance(item, dict) else getattr(item, "type", None)
+    return {"function_call": "FunctionCallItem", "function_call_output": "FunctionCallOutputItem"}.get(kind, "Message")
+
+
+# A Responses input item, validated as the kind its "type" names (a message when it names none), so a bad message
+# is reported as one rather than as a failed function call.
+InputItem = Annotated[Annotated[FunctionCallItem, Tag("FunctionCallItem")]
+                      | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")]
+                      | Annotated[Message, Tag("Message")], Discriminator(_item_kind)]
+
+
+def response_messages(items: list) -> list[dict]:
+    """Responses input items as chat messages: consecutive function calls become one assistant message with
+    tool_calls, each output a tool message."""
+    messages: list[dict] = []
+    for item in items:
+        if isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
+                messages[-1]["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif isinstance(item, FunctionCallOutputItem):
+            messages.append({"role": "tool", "content": item.output, "tool_call_id": item.call_id})
+        else:
+            messages.append(item.normal())
+    return messages
 
 
 def unencodable(value) -> bool:
@@ -93,9 +171,9 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else (stop or [])
 
 
-class ResponseCreate(Sampling):
+class ResponseCreate(Sampling, ResponseOptions):
     model: str
-    input: str | Annotated[list[Message], Field(min_length=1)]
+    input: str | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1, le=32768)
     background: bool = False
@@ -106,12 +184,12 @@ class ResponseCreate(Sampling):
         if isinstance(self.input, str):
             messages.append({"role": "user", "content": self.input})
         else:
-            messages += [m.normal() for m in self.input]
+            messages += response_messages(self.input)
         return {"model": self.model, "messages": messages, "stop": [],
-                "max_tokens": self.max_output_tokens or DEFAULT_MAX_TOKENS, **self.sampling()}
+                "max_tokens": self.max_output_tokens or DEFAULT_MAX_TOKENS, **self.sampling(), **self.options()}
 
 
-class ChatCompletionCreate(Sampling):
+class ChatCompletionCreate(Sampling, ChatOptions):
     model: str
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=32768)
@@ -123,10 +201,10 @@ class ChatCompletionCreate(Sampling):
     def normal(self) -> dict:
         return {"model": self.model, "messages": [m.normal() for m in self.messages], "stop": _stops(self.stop),
                 "max_tokens": self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS,
-                **self.sampling()}
+                **self.sampling(), **self.options()}
 
 
-class CompletionCreate(Sampling):
+class CompletionCreate(Sampling, CompletionOptions):
     model: str
     prompt: str | list[int] = Field(description="text, or token ids as OpenAI's completions accept")
     max_tokens: int | None = Field(None, ge=1, le=32768)
@@ -136,7 +214,7 @@ class CompletionCreate(Sampling):
 
     def normal(self) -> dict:
         return {"model": self.model, "prompt": self.prompt, "stop": _stops(self.stop),
-                "max_tokens": self.max_tokens or 16, **self.sampling()}
+                "max_tokens": self.max_tokens or 16, **self.sampling(), **self.options()}
 
 
 BODY_SCHEMAS = {"/v1/chat/completions": ChatCompletionCreate, "/v1/responses": ResponseCreate,

@@ -131,11 +131,11 @@ CHAT_FIELDS = {
     "verbosity": ("low", "refused"), "web_search_options": ({}, "refused"),
     "moderation": ({"model": "omni-moderation-latest"}, "refused"), "prompt_cache_key": ("k", "refused"),
     "prompt_cache_retention": ("24h", "refused"), "prompt_cache_options": ({"mode": "auto"}, "refused"),
-    "functions": ([TOOL["function"]], "refused"), "function_call": ("auto", "refused"), "tools": ([TOOL], "refused"),
-    "tool_choice": ("required", "refused"), "parallel_tool_calls": (True, "refused"),
-    "response_format": ({"type": "json_object"}, "refused"), "logprobs": (True, "refused"),
-    "top_logprobs": (2, "refused"), "presence_penalty": (0.5, "refused"), "frequency_penalty": (0.5, "refused"),
-    "logit_bias": ({"5": 10}, "refused"),
+    "functions": ([TOOL["function"]], "refused"), "function_call": ("auto", "refused"), "tools": ([TOOL], "ok"),
+    "tool_choice": ("none", "ok"), "parallel_tool_calls": (True, "ok"),
+    "response_format": ({"type": "json_object"}, "ok"), "logprobs": (True, "ok"),
+    "top_logprobs": (2, "refused"),  # without logprobs=true
+    "presence_penalty": (0.5, "ok"), "frequency_penalty": (0.5, "ok"), "logit_bias": ({"5": 10}, "ok"),
 }
 RESPONSE_FIELDS = {
     "model": (MODEL, "ok"), "input": ("Hi", "ok"), "instructions": ("Be brief.", "ok"), "max_output_tokens": (3, "ok"),
@@ -149,17 +149,17 @@ RESPONSE_FIELDS = {
     "background_options": ({"mode": "x"}, "refused"), "access_programs": ({"x": 1}, "refused"),
     "image": ({"x": 1}, "refused"), "moderation": ({"model": "omni-moderation-latest"}, "refused"),
     "prompt_cache_key": ("k", "refused"), "prompt_cache_retention": ("24h", "refused"),
-    "prompt_cache_options": ({"mode": "auto"}, "refused"), "text": ({"format": {"type": "json_object"}}, "refused"),
-    "tools": ([{"type": "function", "name": "f", "parameters": {}}], "refused"),
-    "tool_choice": ("required", "refused"), "parallel_tool_calls": (True, "refused"), "max_tool_calls": (2, "refused"),
-    "top_logprobs": (2, "refused"),
+    "prompt_cache_options": ({"mode": "auto"}, "refused"), "text": ({"format": {"type": "json_object"}}, "ok"),
+    "tools": ([{"type": "function", "name": "f", "parameters": {}}], "ok"),
+    "tool_choice": ("none", "ok"), "parallel_tool_calls": (True, "ok"), "max_tool_calls": (2, "refused"),
+    "top_logprobs": (2, "ok"),
 }
 COMPLETION_FIELDS = {
     "model": (MODEL, "ok"), "prompt": ("Hi", "ok"), "max_tokens": (3, "ok"), "temperature": (0.5, "ok"),
     "top_p": (0.9, "ok"), "n": (2, "ok"), "stop": ("\n\n", "ok"), "seed": (1, "ok"), "echo": (True, "ok"),
     "best_of": (1, "ok"), "user": ("u-1", "ok"), "stream_options": ({"include_usage": True}, "refused"),
-    "suffix": ("end", "refused"), "logprobs": (2, "refused"), "presence_penalty": (0.5, "refused"),
-    "frequency_penalty": (0.5, "refused"), "logit_bias": ({"5": 10}, "refused"),
+    "suffix": ("end", "refused"), "logprobs": (2, "ok"), "presence_penalty": (0.5, "ok"),
+    "frequency_penalty": (0.5, "ok"), "logit_bias": ({"5": 10}, "ok"),
 }
 ENDPOINTS = {
     "chat": (chat_create_params.CompletionCreateParamsBase, CHAT_FIELDS,

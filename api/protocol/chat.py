@@ -43,15 +43,6 @@ class ChatCompletionRequest(ChatCompletionCreate):
     prompt_cache_options: refused(common.NO_CACHE_HINTS) = None
     functions: refused(common.NO_TOOLS, []) = None
     function_call: refused(common.NO_TOOLS, "none") = None
-    tools: refused(common.NO_TOOLS, []) = None
-    tool_choice: refused(common.NO_TOOLS, "none") = None
-    parallel_tool_calls: refused(common.NO_TOOLS) = None
-    response_format: refused(common.NO_STRUCTURED, {"type": "text"}) = None
-    logprobs: refused(common.NO_LOGPROBS, False) = None
-    top_logprobs: refused(common.NO_LOGPROBS, 0) = None
-    presence_penalty: refused(common.NO_PENALTIES, 0) = None
-    frequency_penalty: refused(common.NO_PENALTIES, 0) = None
-    logit_bias: refused(common.NO_PENALTIES, {}) = None
 
     @model_validator(mode="after")
     def _stream_options(self):

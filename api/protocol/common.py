@@ -44,11 +44,7 @@ def invalid_field(model: str, param: str, message: str, value: Any = None) -> Va
 
 
 NOT_STORED = "this service keeps no stored chat completions, so only store=false is accepted"
-# Fields that engineer S2's structured outputs, tools and sampling work replaces with real ones.
-NO_TOOLS = "tools and function calling are not supported yet"
-NO_STRUCTURED = "structured outputs are not supported yet; only the text format is accepted"
-NO_LOGPROBS = "logprobs are not supported yet"
-NO_PENALTIES = "presence_penalty, frequency_penalty and logit_bias are not supported yet"
+NO_TOOLS = "the deprecated functions and function_call are not supported: use tools and tool_choice"
 NO_AUDIO = "the served models read and write text only"
 NO_REASONING = "the served models have no reasoning settings"
 ONE_TIER = "there is one service tier: accepted values are 'auto' and 'default'"

@@ -5,7 +5,6 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from api.protocol import common
 from api.protocol.chat import StreamOptions, check_stream_options
 from api.protocol.common import MAX_CHOICES, STRICT, Stop, invalid_field, refused
 from contract.inference_requests import CompletionCreate
@@ -26,10 +25,6 @@ class CompletionRequest(CompletionCreate):
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
     user: str | None = Field(None, max_length=256)
     suffix: refused("suffix (fill in the middle) is not supported by the served models") = None
-    logprobs: refused(common.NO_LOGPROBS) = None
-    presence_penalty: refused(common.NO_PENALTIES, 0) = None
-    frequency_penalty: refused(common.NO_PENALTIES, 0) = None
-    logit_bias: refused(common.NO_PENALTIES, {}) = None
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -42,6 +37,9 @@ class CompletionRequest(CompletionCreate):
             raise invalid_field(name, "n", f"the number of prompts times n may be at most {MAX_CHOICES}", self.n)
         if self.echo and not all(isinstance(p, str) for p in self.prompts()):
             raise invalid_field(name, "echo", "echo is supported for text prompts only", self.echo)
+        if self.echo and self.logprobs is not None:
+            raise invalid_field(name, "logprobs", "logprobs with echo (the prompt's own logprobs) are not supported",
+                                self.logprobs)
         return self
 
     def prompts(self) -> list[str | list[int]]:

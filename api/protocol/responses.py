@@ -4,7 +4,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from api.protocol import common
 from api.protocol.common import STRICT, invalid_field, refused
-from contract.inference_requests import ResponseCreate
+from contract.inference_requests import ResponseCreate, response_messages
 
 
 class StreamOptions(BaseModel):
@@ -24,7 +24,6 @@ class ResponseRequest(ResponseCreate):
     service_tier: refused(common.ONE_TIER, "auto", "default") = None
     truncation: refused("only truncation='disabled' is supported: a conversation longer than the model's context "
                         "is a 400", "disabled") = None
-    include: refused("no extra output data can be included", []) = None
     reasoning: refused(common.NO_REASONING, {}) = None
     conversation: refused("conversation objects are not supported; continue with previous_response_id") = None
     prompt: refused("prompt templates are not supported") = None
@@ -36,12 +35,7 @@ class ResponseRequest(ResponseCreate):
     prompt_cache_key: refused(common.NO_CACHE_HINTS) = None
     prompt_cache_retention: refused(common.NO_CACHE_HINTS) = None
     prompt_cache_options: refused(common.NO_CACHE_HINTS) = None
-    text: refused(common.NO_STRUCTURED, {"format": {"type": "text"}}) = None
-    tools: refused(common.NO_TOOLS, []) = None
-    tool_choice: refused(common.NO_TOOLS, "none") = None
-    parallel_tool_calls: refused(common.NO_TOOLS) = None
-    max_tool_calls: refused(common.NO_TOOLS) = None
-    top_logprobs: refused(common.NO_LOGPROBS, 0) = None
+    max_tool_calls: refused("max_tool_calls is not supported: parallel_tool_calls=false allows one call") = None
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -56,7 +50,7 @@ class ResponseRequest(ResponseCreate):
         """This request's own input, in normal form (without instructions and earlier turns)."""
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
-        return [m.normal() for m in self.input]
+        return response_messages(self.input)
 
     def normal_with(self, history: list[dict]) -> dict:
         """The normal form, continuing `history` (the earlier turns of previous_response_id, without their

@@ -41,7 +41,11 @@ def history(store: RecordStore, tenant: str, previous_id: str | None) -> list[di
     if status not in ("completed", "incomplete"):
         raise invalid(f"Response '{previous_id}' is {status}; only a finished response can be continued.",
                       param="previous_response_id")
-    return previous.get("conversation", []) + [{"role": "assistant", "content": previous["result"]["text"]}]
+    result = previous["result"]
+    answer = {"role": "assistant", "content": result["text"]}
+    if result.get("tool_calls"):  # the next input answers them with function_call_output items
+        answer = {"role": "assistant", "content": result.get("content"), "tool_calls": result["tool_calls"]}
+    return previous.get("conversation", []) + [answer]
 
 
 @router.post("")
@@ -61,6 +65,9 @@ async def create_response(body: ResponseRequest, request: Request, tenant: Tenan
     if not body.background:
         record = await wait_for(record["id"], "response", store=store, client=request.app.state.aioredis,
                                 timeout=settings.request_timeout_seconds)
+        error = record.get("error") or {}
+        if record["status"] == "failed" and error.get("param"):  # a request field the worker refused: a 400
+            raise APIError(400, error["message"], param=error["param"], code=error.get("code"))
         if not body.store:
             await asyncio.to_thread(store.delete, "response", record["id"], tenant)
     return to_openai(record)

@@ -10,6 +10,8 @@ Parts (worker/engine/):
   graphs.py        device-graph capture of the decode step and of packed prefill
   triton_kernels.py  decode attention and fused elementwise kernels for cuda/xpu
   sampling.py      logits -> tokens (greedy, temperature/top-p with seeded counter-based noise)
+  logits.py        per-request logits processing: logit_bias, penalties, grammar masks, logprobs
+  grammar.py       constrained decoding with xgrammar (JSON, JSON schema, forced tool calls)
   fallback.py      any other causal LM through its own forward (cohorts with a DynamicCache)
   device.py        backend helpers
   messages.py, process.py, model_cache.py  the engine process a worker node talks to through a pipe
@@ -31,6 +33,11 @@ min(max_position_embeddings, 4096); prompts must be shorter, and a completion th
 Streaming: a request with `stream=True` submitted with `on_delta` gets a GenerationDelta (the token ids accepted
 since the last one, and the text they add) after every engine step that accepted tokens for it, called from the
 engine thread (keep it quick), the last one before its result. Deltas' texts concatenate to the result's text.
+
+Logits processing: a request may carry logit_bias, presence/frequency penalties, a grammar (compiled with
+`engine.grammars()`) and logprobs (logits.py, grammar.py); only its own rows are processed, inside `pick`. A step
+that holds a constrained request gives up the one-step lag for that step: the grammar's mask needs the token just
+drawn, so the tokens in flight are read before the step picks (the forward is already queued on the device).
 
 Thread safety and model swaps: `submit` may be called from any thread; one background thread owns the device
 work. Every step runs under `engine.model_lock` (an RLock). To change adapters or swap the model object:
@@ -59,7 +66,9 @@ import torch
 
 from worker.engine.device import HostTokens, device_module, graphs_available, to_device
 from worker.engine.fallback import FallbackPath
+from worker.engine.grammar import Grammars
 from worker.engine.graphs import batch_buckets, length_bucket
+from worker.engine.logits import RequestLogits
 from worker.engine.model_runner import (
     PREFILL_PROMPTS,
     NativeModel,
@@ -78,7 +87,7 @@ class Sequence:
 
     __slots__ = ("req", "fut", "prompt_len", "limit", "out", "n_launched", "cache_len", "slot", "finished",
                  "temperature", "top_p", "seed", "stops", "ignore_eos", "adapter_col", "cancelled", "t_submit",
-                 "on_delta", "sent_tokens", "sent_text")
+                 "on_delta", "sent_tokens", "sent_text", "logits")
 
     def __init__(self, req: GenerationRequest, fut: concurrent.futures.Future,
                  on_delta: Callable[[GenerationDelta], None] | None = None):
@@ -103,6 +112,7 @@ class Sequence:
         self.on_delta = on_delta if req.stream else None
         self.sent_tokens = 0  # output tokens and characters of text already reported in deltas
         self.sent_text = 0
+        self.logits: RequestLogits | None = None  # logits processing it asks for (set when admitted)
 
 
 class Engine(NativeRunner):
@@ -148,6 +158,8 @@ class Engine(NativeRunner):
         self._closed = False
         self._by_id: dict[str, list[Sequence]] = {}
         self._streaming: set[Sequence] = set()  # streaming requests that got tokens in this step
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
         self.stats: dict[str, Any] = {
             "decode_steps": 0, "decode_rows": 0, "decode_seconds": 0.0, "prefill_calls": 0,
             "prefill_tokens": 0, "prefill_padded_tokens": 0, "prefill_seconds": 0.0, "graphs_captured": 0,
@@ -380,6 +392,16 @@ class Engine(NativeRunner):
                 on_result(f.result())
         return [f.result() for f in futures]
 
+    def grammars(self) -> Grammars:
+        """The grammar compiler for this engine's tokenizer (built on first use: it reads the whole vocabulary)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise ValueError("constrained decoding needs the engine's tokenizer")
+                stops = sorted(self.eos_ids) or [self.tokenizer.eos_token_id]
+                self._grammars = Grammars(self.tokenizer, self.vocab_size, stops)
+            return self._grammars
+
     def cancel(self, request_id: str) -> None:
         with self._cv:
             self._cancel_ids.add(request_id)
@@ -512,6 +534,12 @@ class Engine(NativeRunner):
             return f"unknown adapter {req.adapter!r} (loaded: {known})"
         if seq.stops and self.tokenizer is None:
             return "stop strings need a tokenizer"
+        if any(not 0 <= t < self.vocab_size for t, _ in p.logit_bias or []):
+            return f"logit_bias: token ids must be in [0, {self.vocab_size})"
+        if p.logprobs is not None and not 0 <= p.logprobs <= self.vocab_size:
+            return "logprobs must be >= 0"
+        seq.logits = RequestLogits.of(req, self.vocab_size, self.device,
+                                      self.grammars() if req.grammar is not None else None)
         seq.limit = min(p.max_new_tokens, self.max_seq_len - len(ids) + 1)
         return None
 
@@ -520,7 +548,8 @@ class Engine(NativeRunner):
             text = self._decode(seq.out) if reason != "error" else ""
         return GenerationResult(request_id=seq.req.request_id, output_ids=list(seq.out), text=text,
                                 finish_reason=reason, prompt_tokens=seq.prompt_len,
-                                completion_tokens=len(seq.out), error=error)
+                                completion_tokens=len(seq.out), error=error,
+                                logprobs=seq.logits.logprobs(len(seq.out)) if seq.logits is not None else None)
 
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None or not ids:
@@ -582,6 +611,9 @@ class Engine(NativeRunner):
         seq.out.append(tok)
         if seq.on_delta is not None:
             self._streaming.add(seq)
+        if seq.logits is not None and not seq.logits.accept(tok):
+            self.finish(seq, "error", f"token {tok} is outside the request's grammar")
+            return
         if tok in self.eos_ids and not seq.ignore_eos:
             self.finish(seq, "stop")
             return
@@ -645,16 +677,24 @@ class Engine(NativeRunner):
             run = self._compact(run)
             new.append(self._launch_decode(run))
         old, self._inflight = self._inflight, new
-        for out in old:
-            toks = out.tokens()
-            for i, seq in out.rows:
-                self.accept(seq, toks[i])
+        self._accept_all(old)
         cancels = self.take_cancels()
         if cancels:
             for seq in list(self._slots):
                 if seq is not None and seq.req.request_id in cancels:
                     self.finish(seq, "cancelled")
         self._admit_native()
+
+    def _accept_all(self, outs: list[HostTokens]) -> None:
+        for out in outs:
+            toks = out.tokens()
+            for i, seq in out.rows:
+                self.accept(seq, toks[i])
+
+    def _drain(self) -> None:
+        """Accept the tokens still on their way to the host now (waits for them)."""
+        old, self._inflight = self._inflight, []
+        self._accept_all(old)
 
     def _compact(self, run: list[Sequence]) -> list[Sequence]:
         """Move requests from high slots into free low ones when that shrinks the batch bucket."""
@@ -697,6 +737,8 @@ class Engine(NativeRunner):
         else:
             Lb = length_bucket(need, self.max_seq_len) if self.use_graphs else need
         self._run_decode(B, Lb)
+        if any(s.logits is not None and s.logits.constrained for s in run):
+            self._drain()  # a grammar's next mask needs the tokens of the step before
         rows = [(s.slot, s) for s in run]
         toks = pick(self.logits_buf[:B], self.next_buf[:B], rows, [s.n_launched for s in run])
         self.ids_buf[:B].copy_(toks)

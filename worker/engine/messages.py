@@ -81,6 +81,7 @@ class Failed:
     request_id: str
     code: str
     message: str
+    param: str | None = None
 
 
 @dataclass

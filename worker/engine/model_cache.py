@@ -11,6 +11,7 @@ from typing import Callable
 
 from contract.settings import Settings
 from worker.engine.engine import Engine
+from worker.engine.grammar import GrammarError
 from worker.engine.messages import AdapterRef, ModelKey, ModelReport, Submission
 from worker.engine.requests import GenerationDelta, GenerationRequest, RequestFailed
 from worker.models import ModelLoadError, load_model_and_tokenizer
@@ -136,6 +137,11 @@ def submit(cache: ModelCache, submission: Submission,
                             f"model's context of {loaded.max_positions}.")
     request = GenerationRequest(submission.request_id, ids, params,
                                 submission.adapter.name if submission.adapter else None, stream=submission.stream)
+    if params.grammar is not None:  # compiled here, on the request's thread, never on the engine's
+        try:
+            request.grammar = loaded.engine.grammars().compile(params.grammar)
+        except GrammarError as exc:
+            raise RequestFailed("invalid_value", str(exc), exc.param) from None
     future = loaded.engine.submit(request, on_delta)
     fingerprint = served_by(submission.model, loaded.engine)
     # Runs before the caller's own callbacks (added later), so every result leaves with it.

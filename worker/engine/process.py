@@ -198,7 +198,7 @@ class EngineHost:
         if isinstance(answer, Finished):
             pending.future.set_result(answer.result)
         else:
-            pending.future.set_exception(RequestFailed(answer.code, answer.message))
+            pending.future.set_exception(RequestFailed(answer.code, answer.message, answer.param))
 
 
 def serve(conn: Connection, backend: str) -> None:
@@ -251,7 +251,7 @@ def serve(conn: Connection, backend: str) -> None:
         except RequestFailed as exc:
             with lock:
                 preparing.pop(request_id, None)
-            send(Failed(request_id, exc.code, str(exc)))
+            send(Failed(request_id, exc.code, str(exc), exc.param))
             return
         except Exception as exc:  # one bad request must not take the engines down
             with lock:

@@ -14,6 +14,14 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False  # keep going past EOS until max_new_tokens (benchmarks)
+    # Per-request logits processing (worker/engine/logits.py): [(token id, bias)], OpenAI's penalties, and the
+    # number of top logprobs to report per token (None: no logprobs).
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    # What the output must match (worker/engine/grammar.py's spec: JSON, a JSON schema, a forced tool call).
+    grammar: dict | None = None
 
 
 @dataclass
@@ -24,6 +32,9 @@ class GenerationRequest:
     adapter: str | None = None
     # Report each step's newly accepted tokens as a GenerationDelta (Engine.submit's on_delta) before the result.
     stream: bool = False
+    # params.grammar compiled for this engine's tokenizer (Engine.grammars().compile), done before submitting so
+    # the engine's thread never compiles
+    grammar: object = None
 
 
 @dataclass
@@ -38,6 +49,8 @@ class GenerationResult:
     # an OpenAI error code for finish_reason "error" where one fits (context_length_exceeded, invalid_prompt, ...)
     error_code: str | None = None
     served_by: str = ""  # the path and kernels that generated it (the response's system_fingerprint)
+    # with params.logprobs: per output token (token id, logprob, [(id, logprob)] of the most likely)
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -58,9 +71,10 @@ class EngineClosed(RuntimeError):
 class RequestFailed(Exception):
     """A request that cannot be served; `code` is the OpenAI-style error code the client sees."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, param: str | None = None):
         super().__init__(message)
         self.code = code
+        self.param = param  # the request field at fault, where one is
 
 
 class EngineProcessExited(RequestFailed):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from worker.engine import logits as logits_processing
 from worker.engine.device import to_device
 
 SAMPLE_CHUNK = 16  # rows sampled at once: bounds the [rows, vocab] temporaries of top-p and the noise
@@ -70,7 +71,9 @@ def sample_tokens(logits: torch.Tensor, temperature: list[float], top_p: list[fl
 def pick(logits: torch.Tensor, greedy: torch.Tensor | None, rows: list, steps: list[int]) -> torch.Tensor:
     """Tokens for the rows of `logits` ([N, V]). `rows` pairs a row index with its sequence (which has
     temperature, top_p and seed); `steps` gives each one's output index. Rows with temperature > 0 are sampled,
-    the others take `greedy` (argmax of logits when None)."""
+    the others take `greedy` (argmax of logits when None). Rows whose requests ask for logits processing get it
+    first (worker/engine/logits.py, which also keeps their logprobs)."""
+    greedy = logits_processing.process(logits, rows, greedy)
     toks = torch.argmax(logits, dim=-1) if greedy is None else greedy
     samp = [(i, s, k) for (i, s), k in zip(rows, steps, strict=True) if s.temperature > 0]
     if samp:
@@ -79,4 +82,5 @@ def pick(logits: torch.Tensor, greedy: torch.Tensor | None, rows: list, steps: l
                               [s.top_p for _, s, _ in samp], [s.seed for _, s, _ in samp], [k for _, _, k in samp])
         toks = toks.clone() if greedy is None else toks
         toks.index_copy_(0, index, drawn)
+    logits_processing.record(logits, toks, rows)
     return toks

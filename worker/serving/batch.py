@@ -21,7 +21,7 @@ from worker.engine.messages import Submission
 from worker.engine.requests import EngineProcessExited, RequestFailed
 from worker.node import metrics
 from worker.node.node import Node
-from worker.serving.inference import cancel_watch_for, host_for, outcome, prepare
+from worker.serving.inference import cancel_watch_for, host_for, outcome, prepare, tokenizer_for
 
 POLL_SECONDS = 0.2
 # Lines handed to the engine process per message: one message per line costs the engine's GIL more, and a whole
@@ -146,7 +146,7 @@ def run_chunk(node: Node, chunk_id: str) -> None:
                     result = line.future.result()
                     if result.finish_reason == "cancelled":
                         continue  # unfinished when the batch was cancelled: neither output nor error
-                    done = outcome(result)
+                    done = outcome(result, line.request, tokenizer_for(line.arguments.model.base, node.settings))
                 except EngineProcessExited as exc:
                     if cancelled:
                         continue  # unfinished, as a cancelled line

@@ -8,7 +8,7 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Iterator
 
-from contract import catalog, events, webhooks
+from contract import catalog, events, tool_calls, webhooks
 from contract.layout import adapter_dir, checkpoint_dir
 from contract.records import now
 from contract.settings import Settings
@@ -49,7 +49,10 @@ def prompt_ids(tokenizer, request: dict) -> list[int]:
         if isinstance(request["prompt"], list):
             return request["prompt"]
         return tokenizer(request["prompt"], add_special_tokens=False)["input_ids"]
-    return tokenizer.apply_chat_template(request["messages"], add_generation_prompt=True, tokenize=True,
+    messages = [tool_calls.as_template_message(m) if m.get("tool_calls") else m for m in request["messages"]]
+    tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "strict" and v is not None}}
+             for t in request.get("tools") or []]
+    return tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=True,
                                          return_dict=True)["input_ids"]
 
 
@@ -69,11 +72,25 @@ def tokenizer_for(base: str, settings: Settings):
         return _tokenizers[base]
 
 
+def grammar_spec(request: dict) -> dict | None:
+    """What the output must match: a forced tool call (tool_choice required or a name), else the response
+    format."""
+    choice = request.get("tool_choice") or "none"
+    if request.get("tools") and choice not in ("auto", "none"):
+        return {"type": "tool_calls", "tools": request["tools"], "choice": choice,
+                "parallel": bool(request.get("parallel_tool_calls"))}
+    return request.get("response_format")
+
+
 def sampling_params(request: dict) -> SamplingParams:
     temperature = request.get("temperature")
     return SamplingParams(max_new_tokens=request["max_tokens"], temperature=1.0 if temperature is None else temperature,
                           top_p=request.get("top_p") or 1.0, seed=request.get("seed"),
-                          stop=list(request.get("stop") or []), ignore_eos=bool(request.get("ignore_eos")))
+                          stop=list(request.get("stop") or []), ignore_eos=bool(request.get("ignore_eos")),
+                          logit_bias=[(int(t), float(b)) for t, b in request.get("logit_bias") or []],
+                          presence_penalty=request.get("presence_penalty") or 0.0,
+                          frequency_penalty=request.get("frequency_penalty") or 0.0,
+                          logprobs=request.get("logprobs"), grammar=grammar_spec(request))
 
 
 def prepare(node: Node, request_id: str, tenant: str, request: dict) -> Submission:
@@ -83,7 +100,12 @@ def prepare(node: Node, request_id: str, tenant: str, request: dict) -> Submissi
         base, ref = catalog.resolve(request["model"], tenant, node.settings, node.store)
     except catalog.UnknownModel as exc:
         raise RequestFailed("model_not_found", str(exc)) from None
-    ids = prompt_ids(tokenizer_for(base, node.settings), request)
+    tokenizer = tokenizer_for(base, node.settings)
+    ids = prompt_ids(tokenizer, request)
+    vocab = len(tokenizer)
+    if any(not 0 <= int(t) < vocab for t, _ in request.get("logit_bias") or []):
+        raise RequestFailed("invalid_value", f"logit_bias: token ids of '{request['model']}' are 0 to {vocab - 1}.",
+                            "logit_bias")
     model = ModelKey(base, request.get("attn_implementation"), request.get("quantization") or "none",
                      bool(request.get("use_kernels")))
     return Submission(request_id, model, adapter_of(tenant, ref, node.settings), ids, sampling_params(request))
@@ -108,18 +130,35 @@ def start(node: Node, request_id: str, tenant: str, request: dict) -> list[tuple
     return list(zip(ids, futures))
 
 
-def outcome(result: GenerationResult) -> dict:
+def outcome(result: GenerationResult, request: dict, tokenizer) -> dict:
+    """The result as the API reports it: tool calls parsed out of the text when the request offered tools, and
+    logprobs in chat's per-token shape when asked for."""
     if result.finish_reason == "error":
         raise RequestFailed("invalid_prompt", result.error or "generation failed")
-    return {"text": result.text, "finish_reason": "stop" if result.finish_reason == "cancelled"
-            else result.finish_reason, "prompt_tokens": result.prompt_tokens,
-            "completion_tokens": result.completion_tokens, "system_fingerprint": result.served_by}
+    out = {"text": result.text, "finish_reason": "stop" if result.finish_reason == "cancelled"
+           else result.finish_reason, "prompt_tokens": result.prompt_tokens,
+           "completion_tokens": result.completion_tokens, "system_fingerprint": result.served_by}
+    # tool_choice "none": the tools stay in the prompt (the conversation may hold calls of them) but none is called
+    names = [t["name"] for t in request.get("tools") or []] if request.get("tool_choice") != "none" else []
+    if names and result.finish_reason == "stop":
+        content, calls = tool_calls.parse(result.text, tool_calls.tool_call_format(tokenizer.chat_template), names)
+        if calls:
+            out.update(content=content, tool_calls=calls, finish_reason="tool_calls")
+    if result.logprobs is not None:
+        out["logprobs"] = [dict(_token(tokenizer, t, lp), top_logprobs=[_token(tokenizer, i, v) for i, v in top])
+                           for t, lp, top in result.logprobs]
+    return out
 
 
-def merged(results: list[GenerationResult], n: int) -> dict:
+def _token(tokenizer, token_id: int, logprob: float) -> dict:
+    text = tokenizer.decode([token_id])
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+
+
+def merged(results: list[GenerationResult], n: int, request: dict, tokenizer) -> dict:
     """A request's result from its choices' ({text, finish_reason, prompt_tokens, completion_tokens} of the first,
     and `choices` when there are several). The prompt counts once per prompt, not once per choice."""
-    outcomes = [outcome(r) for r in results]
+    outcomes = [outcome(r, request, tokenizer) for r in results]
     result = {**outcomes[0], "prompt_tokens": sum(o["prompt_tokens"] for o in outcomes[::n]),
               "completion_tokens": sum(o["completion_tokens"] for o in outcomes)}
     if len(outcomes) > 1:
@@ -208,9 +247,10 @@ def run_request(node: Node, kind: str, record_id: str) -> None:
         timings["generated"] = time.time()
         cancelled = any(r.finish_reason == "cancelled" for r in results)
         fields = {"status": "cancelled" if cancelled else "completed",
-                  "result": merged(results, int(record["request"].get("n") or 1))}
+                  "result": merged(results, int(record["request"].get("n") or 1), record["request"],
+                                   tokenizer_for(record["base_model"], node.settings))}
     except RequestFailed as exc:
-        fields = {"status": "failed", "error": {"code": exc.code, "message": str(exc)}}
+        fields = {"status": "failed", "error": {"code": exc.code, "message": str(exc), "param": exc.param}}
     except Exception as exc:  # one bad request must not take the node down
         fields = {"status": "failed", "error": {"code": "server_error", "message": f"{type(exc).__name__}: {exc}"}}
     fields.update(completed_at=now(), timings=timings)

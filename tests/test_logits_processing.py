@@ -1,0 +1,60 @@
+"""Per-request logits processing inside the engine's batch (worker/engine/logits.py, grammar.py), on CPU with the
+tiny demo model, on the native path and the fallback path: a grammar, a bias, penalties and logprobs change only
+their own request's tokens."""
+
+import json
+
+import pytest
+import torch
+
+from worker.engine.engine import Engine
+from worker.engine.grammar import GrammarError
+from worker.engine.requests import GenerationRequest, SamplingParams
+
+MB = 1 << 20
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+          "required": ["ok", "n"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from worker.demo_model import build_demo_model
+
+    path = build_demo_model(tmp_path_factory.mktemp("logits") / "tiny")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def plain(rid: str, prompt: list[int], **kw) -> GenerationRequest:
+    return GenerationRequest(rid, prompt, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True, **kw))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_processing_touches_only_its_own_rows(tiny, native):
+    model, tokenizer = tiny
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True,
+                                           return_dict=True)["input_ids"]
+    other = tokenizer("The quick brown fox", add_special_tokens=False)["input_ids"]
+    with Engine(model, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=8,
+                native=native) as eng:
+        alone = eng.generate([plain("a", other)])[0]
+        grammar = eng.grammars().compile({"type": "json_schema", "schema": SCHEMA, "strict": True})
+        json_req = GenerationRequest("json", prompt, SamplingParams(max_new_tokens=60, temperature=0.8, seed=3),
+                                     grammar=grammar)
+        results = {r.request_id: r for r in eng.generate([
+            plain("a", other), json_req, plain("bias", prompt, logit_bias=[(42, 100.0)]),
+            plain("lp", prompt, logprobs=2), plain("pen", prompt, frequency_penalty=2.0, presence_penalty=2.0),
+            plain("base", prompt)])}
+        with pytest.raises(GrammarError):
+            eng.grammars().compile({"type": "json_schema", "schema": {"type": "nonsense"}, "strict": True})
+    assert results["a"].output_ids == alone.output_ids  # its neighbours' processing left it alone
+    value = json.loads(results["json"].text)
+    assert results["json"].finish_reason == "stop" and set(value) == {"ok", "n"} and value["n"] in (1, 2, 3)
+    assert results["bias"].output_ids == [42] * 12
+    lp = results["lp"].logprobs
+    assert [t for t, _, _ in lp] == results["lp"].output_ids == results["base"].output_ids
+    assert all(top[0] == (t, v) and len(top) == 2 and v <= 0 for t, v, top in lp)  # greedy: the most likely
+    base, pen = results["base"].output_ids, results["pen"].output_ids
+    assert max(pen.count(t) for t in pen) < max(base.count(t) for t in base)
+    assert results["base"].logprobs is None

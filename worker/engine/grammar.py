@@ -1,0 +1,129 @@
+"""Constrained decoding with xgrammar: JSON (any object, or a JSON schema) and tool calls in the serving model's
+own format. One compiler per tokenizer (it caches what it compiles); a Constraint per request that gives the
+allowed next tokens as a bitmask and follows the tokens generated.
+
+xgrammar was picked over llguidance by measurement (bench/constrained.py --grammar-libs, CPU): a mask for a
+JSON schema took 6-7 us at the median and under 0.1 ms at worst on a 32k vocabulary, llguidance 21-25 us and
+1.6-2.5 ms; compiling a schema costs a few ms in either, and is cached.
+
+JSON is generated compact (`, ` and `: ` separators, no free whitespace): a model cannot wander into endless
+whitespace that a schema allows, and the output is what OpenAI's structured outputs return."""
+
+import threading
+
+import torch
+import xgrammar as xgr
+from xgrammar import structural_tag as st
+
+from contract.tool_calls import tool_call_format
+
+# The tool-call formats of the model families served, as the chat templates render a call (see
+# contract/tool_calls.py, which parses them back): Hermes/Qwen, Llama 3 (JSON), Mistral.
+_CALL = {
+    "hermes": ('<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>", "\n"),
+    "llama3": ('{"name": "', '", "parameters": ', "}", "; "),
+    "mistral": ('{"name": "', '", "arguments": ', "}", ", "),
+}
+
+
+class GrammarError(ValueError):
+    """A response format or tool schema that cannot be compiled; `param` names the request field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def structural_tag(spec: dict) -> st.StructuralTag:
+    """The grammar of a forced tool call: `spec` = {format, tools: [{name, parameters}], choice: "required" |
+    name, parallel}. "required" allows any of the tools (several calls when parallel), a name one call of it."""
+    begin, middle, end, separator = _CALL[spec["format"]]
+    tools = spec["tools"] if spec["choice"] == "required" else [t for t in spec["tools"]
+                                                                    if t["name"] == spec["choice"]]
+    tags = [st.TagFormat(begin=begin + t["name"] + middle, end=end,
+                         content=st.JSONSchemaFormat(json_schema=t.get("parameters") or {"type": "object"},
+                                                     style="json", max_whitespace_cnt=1))
+            for t in tools]
+    calls = st.TagsWithSeparatorFormat(tags=tags, separator=separator, at_least_one=True,
+                                       stop_after_first=spec["choice"] != "required" or not spec.get("parallel"))
+    if spec["format"] == "mistral":
+        return st.StructuralTag(format=st.SequenceFormat(elements=[
+            st.ConstStringFormat(value="[TOOL_CALLS]["), calls, st.ConstStringFormat(value="]")]))
+    return st.StructuralTag(format=calls)
+
+
+class Grammars:
+    """The grammar compiler of one tokenizer. `vocab_size` is the width of the model's logits, which may exceed
+    the tokenizer's vocabulary (those extra ids are never allowed)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int]):
+        self.vocab_size = vocab_size
+        self.stop_ids = sorted(stop_ids)
+        self.tool_format = tool_call_format(getattr(tokenizer, "chat_template", None))
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_ids)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_limit_bytes=256 << 20)
+        self._lock = threading.Lock()
+        # xgrammar's JSON strings admit raw control characters, which JSON forbids (and strict parsers such as
+        # pydantic's reject): tokens holding one are never allowed under a grammar.
+        allow = torch.ones((vocab_size + 31) // 32 * 32, dtype=torch.bool)
+        for i, piece in enumerate(info.decoded_vocab):
+            if any(b < 0x20 and b not in b"\t\n\r" for b in piece):
+                allow[i] = False
+        packed = (allow.view(-1, 32).to(torch.int64) << torch.arange(32)).sum(1)
+        self.allowed = torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+
+    def compile(self, spec: dict) -> xgr.CompiledGrammar:
+        """spec: {"type": "json_object"} | {"type": "json_schema", "schema", "strict"} | {"type": "tool_calls",
+        "tools", "choice", "parallel"}."""
+        try:
+            with self._lock:
+                if spec["type"] == "json_object":
+                    return self._compiler.compile_json_schema({"type": "object"}, any_whitespace=False,
+                                                              strict_mode=False)
+                if spec["type"] == "json_schema":
+                    return self._compiler.compile_json_schema(spec["schema"], any_whitespace=False,
+                                                              strict_mode=bool(spec.get("strict")))
+                return self._compiler.compile_structural_tag(structural_tag({**spec, "format": self.tool_format}))
+        except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's errors for a schema it cannot use
+            param = "tools" if spec["type"] == "tool_calls" else "response_format"
+            raise GrammarError(f"The JSON schema in '{param}' cannot be used for constrained decoding: "
+                               f"{str(exc).splitlines()[0][:300]}", param) from None
+
+    def constraint(self, compiled: xgr.CompiledGrammar) -> "Constraint":
+        return Constraint(xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_ids), self.allowed)
+
+
+class Constraint:
+    """One request's position in its grammar."""
+
+    __slots__ = ("matcher", "allowed")
+
+    def __init__(self, matcher: xgr.GrammarMatcher, allowed: torch.Tensor):
+        self.matcher = matcher
+        self.allowed = allowed
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """The tokens allowed next into bitmask[row] (int32, on the host; one bit per token id)."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        bitmask[row] &= self.allowed
+
+    def accept(self, token: int) -> bool:
+        """Advance by a generated token; False if the grammar does not allow it (or has already ended)."""
+        return not self.matcher.is_terminated() and self.matcher.accept_token(token)
+
+    @property
+    def done(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Disallowed tokens of each row of `logits` [R, V] to -inf in place; `bitmask` [R, ceil(V/32)] int32 on the
+    logits' device. Plain torch ops, so any device runs it."""
+    rows, vocab = logits.shape
+    bits = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).view(rows, -1)[:, :vocab].bool()
+    logits.masked_fill_(~allowed, float("-inf"))
+
+
+def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    return xgr.allocate_token_bitmask(rows, vocab_size)
