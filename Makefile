@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_BACKEND ?= $(shell $(PYTHON) worker/hardware.py)
 # The Hub kernels (flash_attention_2, use_kernels) exist only for GPUs.
 comma := ,
-EXTRAS = api,worker,test$(if $(filter cpu,$(TORCH_BACKEND)),,$(comma)kernels)
+EXTRAS = api,worker,client,test$(if $(filter cpu,$(TORCH_BACKEND)),,$(comma)kernels)
 
 $(STAMP): pyproject.toml worker/hardware.py
 	$(PYTHON) -m venv $(VENV)

@@ -19,7 +19,9 @@ from worker.node.devices import MASK_VARIABLE, PinningError, pinned_environment,
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xpu-jobs",
-                                     description="xpu-jobs: fine-tuning and inference jobs on Intel GPUs")
+                                     description="xpu-jobs: fine-tuning and inference jobs on Intel GPUs",
+                                     epilog="Users' commands, through the REST API (OPENAI_BASE_URL, OPENAI_API_KEY): "
+                                            "xpu-jobs {files,fine-tune,batch,models,workers} --help")
     sub = parser.add_subparsers(dest="command", required=True)
 
     w = sub.add_parser("worker", help="start one Celery worker node per device group, pinned to its devices")
@@ -238,7 +240,16 @@ COMMANDS = {"worker": cmd_worker, "api": cmd_api, "up": cmd_up, "demo-model": cm
             "devices": cmd_devices, "doctor": cmd_doctor, "health": cmd_health}
 
 
+# The users' commands (client/cli.py: files, fine-tune, batch, models, workers), through the REST API.
+CLIENT_COMMANDS = ("files", "fine-tune", "batch", "models", "workers")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if next((a for a in argv if a in COMMANDS or a in CLIENT_COMMANDS), None) in CLIENT_COMMANDS:
+        from client.cli import main as client_main
+
+        return client_main(argv)
     args = build_parser().parse_args(argv)
     return COMMANDS[args.command](args)
 
