@@ -184,8 +184,9 @@ def matmul_rate(dev: Device, dtype: torch.dtype) -> float:
 def run_generate(ctx, batch_size: int, static: bool) -> dict:
     from transformers import GenerationConfig
 
-    model, prompts, new = ctx["model"], ctx["prompts"], ctx["new_tokens"]
-    dev = ctx["dev"]
+    model, new, dev = ctx["model"], ctx["new_tokens"], ctx["dev"]
+    # --generate-prompts: the first N prompts only (its tokens/s is per batch; fewer batches, same shapes)
+    prompts = ctx["prompts"][:ctx["args"].generate_prompts or None]
     extra = {"cache_implementation": "static"} if static else {}
     cfg = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None,
                            pad_token_id=0, **extra)
@@ -223,7 +224,8 @@ def run_generate(ctx, batch_size: int, static: bool) -> dict:
     return {"tokens": tokens, "seconds": secs, "steps": steps, "peak_memory_bytes": dev.peak(),
             "peak_reserved_bytes": dev.peak_reserved(),
             "config": f"batch {batch_size}, " + (f"static cache, every batch padded to {width} tokens"
-                                                 if static else "dynamic cache")}
+                                                 if static else "dynamic cache")
+            + (f"; the first {len(prompts)} prompts" if len(prompts) < len(ctx["prompts"]) else "")}
 
 
 def run_generate_batch(ctx, warm: bool) -> dict:
@@ -488,6 +490,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-prompt", type=int)
     ap.add_argument("--new-tokens", type=int)
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
+    ap.add_argument("--generate-prompts", type=int, default=0,
+                    help="plain generate variants run the first N prompts only (0: all); tokens/s is per batch")
     ap.add_argument("--chats", type=int, default=0, help="live chats through the service's stack (0: none)")
     ap.add_argument("--chat-tokens", type=int, default=128)
     ap.add_argument("--check", action="store_true", help="first compare the engine with generate on this device")
@@ -537,7 +541,7 @@ def main(argv=None) -> int:
     print(f"{dev.name()}: {params / 1e6:.4g}M parameters, matmul {rate / 1e12:.4g} TFLOP/s -> ceiling "
           f"{rate / (2 * params):,.0f} tokens/s", flush=True)
 
-    ctx = {"model": model, "tokenizer": tok, "dev": dev}
+    ctx = {"model": model, "tokenizer": tok, "dev": dev, "args": args}
     prompts_of = {}
     for wname in workloads:
         w = workload_numbers(wname, args)
@@ -553,7 +557,9 @@ def main(argv=None) -> int:
             if not name.startswith("generate_batch"):
                 release_cb(ctx)
             try:
-                r = finish(run_variant(name, ctx), w["prompts"] * w["new_tokens"], weights)
+                r = run_variant(name, ctx)
+                r = finish(r, (min(w["prompts"], args.generate_prompts or w["prompts"]) if name.startswith("generate-")
+                               else w["prompts"]) * w["new_tokens"], weights)
             except Exception as e:
                 traceback.print_exc()
                 r = {"error": f"{type(e).__name__}: {e}"}
