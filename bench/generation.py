@@ -492,6 +492,7 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     ap.add_argument("--generate-prompts", type=int, default=0,
                     help="plain generate variants run the first N prompts only (0: all); tokens/s is per batch")
+    ap.add_argument("--service-first", action="store_true", help="the service and chats before the in-process variants")
     ap.add_argument("--chats", type=int, default=0, help="live chats through the service's stack (0: none)")
     ap.add_argument("--chat-tokens", type=int, default=128)
     ap.add_argument("--check", action="store_true", help="first compare the engine with generate on this device")
@@ -547,7 +548,10 @@ def main(argv=None) -> int:
         w = workload_numbers(wname, args)
         prompts_of[wname] = (make_prompts(w["prompts"], w["min_prompt"], w["max_prompt"], model.config.vocab_size),
                              w["new_tokens"])
-        block = report["workloads"][wname] = {**w, "variants": {}}
+        report["workloads"][wname] = {**w, "variants": {}}
+
+    def in_process(wname: str) -> None:
+        w, block = workload_numbers(wname, args), report["workloads"][wname]
         ctx.update(prompts=prompts_of[wname][0], new_tokens=w["new_tokens"])
         close_engine(ctx)
         for name in [v.split(":")[-1] for v in variants if v.split(":")[0] in (wname, v)]:
@@ -570,7 +574,9 @@ def main(argv=None) -> int:
         release_cb(ctx)
         close_engine(ctx)
 
-    if any(v.split(":")[-1] == "service" for v in variants) or args.chats:
+    def through_service() -> None:
+        if not (any(v.split(":")[-1] == "service" for v in variants) or args.chats):
+            return
         from bench.service import Stack, concurrency
 
         print("--- service (shipped settings)", flush=True)
@@ -601,6 +607,15 @@ def main(argv=None) -> int:
                 print("chats", json.dumps(report["chats"], default=str), flush=True)
         finally:
             stack.close()
+
+    # the service's stack holds most of the device while it runs, so it runs before or after every in-process
+    # variant, never between them; --service-first keeps its figures when a slow variant later runs out of time
+    if args.service_first:
+        through_service()
+    for wname in workloads:
+        in_process(wname)
+    if not args.service_first:
+        through_service()
     best = max((v["tokens_per_s"] for b in report["workloads"].values() for v in b["variants"].values()
                 if "tokens_per_s" in v), default=None)
     if best:
