@@ -6,14 +6,16 @@ batch, so throughput is rows per step. Every request therefore joins one running
 prefilled (left padded, in pieces of at most prefill_tokens) and their caches merged into the running one, left
 padded to a common width; finished rows are dropped (and the columns no row uses any more) once an eighth of the
 rows are done or the batch holds max_batch_size rows. Positions and the attention mask are per row, so padding never
-changes a row's tokens. The host reads step k's tokens while the device computes step k+1. Caches whose layers are
+changes a row's tokens. The host reads step k's tokens while the device computes step k+1 (not for a batch
+holding a grammar-constrained request: its next mask needs the token just drawn). Caches whose layers are
 not plain full-attention DynamicLayers (sliding windows, linear attention) cannot be merged: such a model runs its
 prefilled pieces side by side instead. PEFT's mixed-batch `adapter_names=[...]` selects adapters per row.
 
 Interface with the engine (engine.py), which owns the request queue, the thread and the results:
   FallbackPath(engine)  once per model setup; reads engine.model/.base/.device/.budget/.prefill_tokens/
                         .max_batch_size/.kv_bytes_per_token/.vocab_size and writes into engine.stats
-  step()                one iteration: cancels, tokens of the last step, admission, one decode step per batch
+  step()                one iteration: cancels, one decode step per batch (reading the step before's tokens),
+                        dropping finished rows, admission
   has_work()            whether requests are running here
   fail_all(error)       finish every running request with an error
 Requests are finished through engine.accept (a new token) and engine.finish; tokens come from sampling.pick.
@@ -144,25 +146,20 @@ class FallbackPath:
             for seq in b.seqs:
                 if seq.req.request_id in cancels:
                     eng.finish(seq, "cancelled")
-        self._read_tokens()
+        for b in self._batches:
+            self._decode(b)
         for b in list(self._batches):
             done = len(b.seqs) - b.live()
-            if done == len(b.seqs):
+            if done == len(b.seqs) and b.pending is None:
                 self._batches.remove(b)
             elif done and (8 * done >= len(b.seqs) or len(b.seqs) >= eng.max_batch_size):
                 b.compact()
         self._admit()
-        for b in self._batches:
-            self._decode(b)
 
-    def _read_tokens(self) -> None:
-        """The tokens of each batch's previous step (the device went on to the next step meanwhile)."""
-        for b in self._batches:
-            if b.pending is not None:
-                out, b.pending = b.pending, None
-                host = out.tokens()
-                for i, seq in out.rows:
-                    self.engine.accept(seq, host[i])
+    def _accept(self, out: HostTokens) -> None:
+        host = out.tokens()
+        for i, seq in out.rows:
+            self.engine.accept(seq, host[i])
 
     def _admit(self) -> None:
         """Waiting requests join while rows and the KV budget allow: the budget bounds rows x (width + the longest
@@ -248,8 +245,13 @@ class FallbackPath:
             into.merge(batch)
 
     def _decode(self, b: _Batch) -> None:
-        """Launch one decode step for batch `b` if a row still needs a token; its tokens are read next time."""
+        """Launch one decode step for batch `b` if a row still needs a token, then read the previous step's tokens
+        while the device computes this one (a row that ended with them computed one token for nothing). A grammar's
+        mask needs the token drawn just before, so a batch with a constrained row reads them before it picks."""
+        old, b.pending = b.pending, None
         if not any(not s.finished and s.n_launched < s.limit for s in b.seqs):
+            if old is not None:
+                self._accept(old)
             return
         eng = self.engine
         t0 = time.perf_counter()
@@ -260,11 +262,16 @@ class FallbackPath:
             kw["adapter_names"] = b.adapters or ["__base__"] * len(b.seqs)
         logits = self._forward(input_ids=b.next[:, None], attention_mask=b.mask, position_ids=b.pos[:, None],
                                cache=b.cache, **kw)
+        if old is not None and any(s.logits is not None and s.logits.constrained for s in b.seqs):
+            self._accept(old)
+            old = None
         rows = list(enumerate(b.seqs))
         b.next = pick(logits, None, rows, [s.n_launched for s in b.seqs])
         for s in b.seqs:
             s.n_launched += 1
         b.pending = HostTokens(b.next, [(i, s) for i, s in rows if not s.finished], eng.backend)
+        if old is not None:
+            self._accept(old)
         live = b.live()
         eng.stats["decode_steps"] += 1
         eng.stats["decode_rows"] += live
