@@ -3,8 +3,9 @@ under a JSON schema (the rest unconstrained), with every request constrained, an
 The question is whether one constrained request slows the others: its mask is applied to its own logits row,
 but a step that holds one reads the previous step's tokens before picking (the grammar needs them).
 
-Every request produces exactly --new-tokens tokens (EOS ignored), greedy; each variant runs twice and the faster
-run counts (the first also warms the grammar cache). Ratios are against the plain batch of the same run.
+Every request produces exactly --new-tokens tokens (EOS ignored), greedy; the variants run in turn --repeats times
+(3) and each one's fastest run counts (the first also warms the grammar cache). Ratios are against the plain batch
+of the same run.
 
     python -m bench.constrained --model tiny --device cpu --out constrained-cpu.json
     python -m bench.constrained --model qwen3-0.6b --device cuda --out constrained-h200.json
@@ -35,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.generation import MODELS, build_model, make_prompts, shipped_engine  # noqa: E402
-from worker.engine.engine import GenerationRequest, SamplingParams  # noqa: E402
+from worker.engine.requests import GenerationRequest, SamplingParams  # noqa: E402
 
 WORKLOADS = {"small": dict(prompts=16, min_prompt=32, max_prompt=128, new_tokens=64),
              "wide": dict(prompts=128, min_prompt=32, max_prompt=256, new_tokens=128)}
@@ -146,6 +147,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int)
     ap.add_argument("--new-tokens", type=int)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--grammar-libs", action="store_true")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -172,14 +174,18 @@ def main(argv=None) -> int:
             w["new_tokens"] = args.new_tokens
         prompts = make_prompts(w["prompts"], w["min_prompt"], w["max_prompt"], len(tokenizer))
         block = report["workloads"][name] = {"workload": w}
-        for variant in args.variants.split(","):
-            constrained = {"plain": set(), "one-json": {0}, "one-tool": {0},
-                           "all-json": set(range(len(prompts)))}[variant]
-            spec = TOOL if variant == "one-tool" else {"type": "json_schema", "schema": SCHEMA, "strict": True}
-            runs = [run(engine, prompts, w["new_tokens"], constrained, spec) for _ in range(2)]
-            block[variant] = min(runs, key=lambda r: r["wall_s"])
+        variants = args.variants.split(",")
+        runs: dict[str, list[dict]] = {v: [] for v in variants}
+        for _ in range(args.repeats):  # interleaved, so a noisy moment does not land on one variant only
+            for variant in variants:
+                constrained = {"plain": set(), "one-json": {0}, "one-tool": {0},
+                               "all-json": set(range(len(prompts)))}[variant]
+                spec = TOOL if variant == "one-tool" else {"type": "json_schema", "schema": SCHEMA, "strict": True}
+                runs[variant].append(run(engine, prompts, w["new_tokens"], constrained, spec))
+        for variant in variants:
+            block[variant] = min(runs[variant], key=lambda r: r["wall_s"])
             print(name, variant, json.dumps(block[variant]), flush=True)
-        for variant in args.variants.split(","):
+        for variant in variants:
             block[variant]["vs_plain"] = block["plain"]["wall_s"] / block[variant]["wall_s"] if "plain" in block \
                 else None
     engine.close()

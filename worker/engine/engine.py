@@ -66,7 +66,6 @@ import torch
 
 from worker.engine.device import HostTokens, device_module, graphs_available, to_device
 from worker.engine.fallback import FallbackPath
-from worker.engine.grammar import Grammars
 from worker.engine.graphs import batch_buckets, length_bucket
 from worker.engine.logits import RequestLogits
 from worker.engine.model_runner import (
@@ -158,7 +157,7 @@ class Engine(NativeRunner):
         self._closed = False
         self._by_id: dict[str, list[Sequence]] = {}
         self._streaming: set[Sequence] = set()  # streaming requests that got tokens in this step
-        self._grammars: Grammars | None = None
+        self._grammars = None  # worker/engine/grammar.py's Grammars, built on first use
         self._grammars_lock = threading.Lock()
         self.stats: dict[str, Any] = {
             "decode_steps": 0, "decode_rows": 0, "decode_seconds": 0.0, "prefill_calls": 0,
@@ -392,8 +391,11 @@ class Engine(NativeRunner):
                 on_result(f.result())
         return [f.result() for f in futures]
 
-    def grammars(self) -> Grammars:
-        """The grammar compiler for this engine's tokenizer (built on first use: it reads the whole vocabulary)."""
+    def grammars(self):
+        """The grammar compiler for this engine's tokenizer (worker/engine/grammar.py's Grammars; built on first
+        use: it reads the whole vocabulary)."""
+        from worker.engine.grammar import Grammars
+
         with self._grammars_lock:
             if self._grammars is None:
                 if self.tokenizer is None:

@@ -16,6 +16,7 @@ import xgrammar as xgr
 from xgrammar import structural_tag as st
 
 from contract.tool_calls import tool_call_format
+from worker.engine.logits import words
 
 # The tool-call formats of the model families served, as the chat templates render a call (see
 # contract/tool_calls.py, which parses them back): Hermes/Qwen, Llama 3 (JSON), Mistral.
@@ -65,7 +66,7 @@ class Grammars:
         self._lock = threading.Lock()
         # xgrammar's JSON strings admit raw control characters, which JSON forbids (and strict parsers such as
         # pydantic's reject): tokens holding one are never allowed under a grammar.
-        allow = torch.ones((vocab_size + 31) // 32 * 32, dtype=torch.bool)
+        allow = torch.ones(words(vocab_size) * 32, dtype=torch.bool)
         for i, piece in enumerate(info.decoded_vocab):
             if any(b < 0x20 and b not in b"\t\n\r" for b in piece):
                 allow[i] = False
@@ -114,16 +115,3 @@ class Constraint:
     @property
     def done(self) -> bool:
         return self.matcher.is_terminated()
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Disallowed tokens of each row of `logits` [R, V] to -inf in place; `bitmask` [R, ceil(V/32)] int32 on the
-    logits' device. Plain torch ops, so any device runs it."""
-    rows, vocab = logits.shape
-    bits = torch.arange(32, device=logits.device, dtype=torch.int32)
-    allowed = ((bitmask[:, :, None] >> bits) & 1).view(rows, -1)[:, :vocab].bool()
-    logits.masked_fill_(~allowed, float("-inf"))
-
-
-def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
-    return xgr.allocate_token_bitmask(rows, vocab_size)

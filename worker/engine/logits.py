@@ -4,14 +4,37 @@ touched, so the rest of the batch keeps its plain greedy/sampled path.
 
 Penalty counts live on the device (a [V] vector per penalized request, updated with each token it draws), so
 they need no host round trip. A grammar does: its mask for the next token depends on the token just drawn, so a
-step with a constrained row reads the previous step's tokens before picking (the engine's `needs_tokens`)."""
+step with a constrained row reads the previous step's tokens before picking."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from worker.engine.device import to_device
-from worker.engine.grammar import Constraint, apply_bitmask, new_bitmask
+
+if TYPE_CHECKING:  # xgrammar is imported only where a grammar is used (worker/engine/grammar.py)
+    from worker.engine.grammar import Constraint
+
+
+def words(vocab_size: int) -> int:
+    """int32 words of a token bitmask (one bit per token id, as xgrammar fills it)."""
+    return (vocab_size + 31) // 32
+
+
+def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """All tokens allowed, on the host."""
+    return torch.full((rows, words(vocab_size)), -1, dtype=torch.int32)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Disallowed tokens of each row of `logits` [R, V] to -inf in place; `bitmask` [R, words(V)] int32 on the
+    logits' device. Plain torch ops, so any device runs it."""
+    rows, vocab = logits.shape
+    bits = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).view(rows, -1)[:, :vocab].bool()
+    logits.masked_fill_(~allowed, float("-inf"))
 
 
 class RequestLogits:

@@ -11,7 +11,6 @@ from typing import Callable
 
 from contract.settings import Settings
 from worker.engine.engine import Engine
-from worker.engine.grammar import GrammarError
 from worker.engine.messages import AdapterRef, ModelKey, ModelReport, Submission
 from worker.engine.requests import GenerationDelta, GenerationRequest, RequestFailed
 from worker.models import ModelLoadError, load_model_and_tokenizer
@@ -138,6 +137,8 @@ def submit(cache: ModelCache, submission: Submission,
     request = GenerationRequest(submission.request_id, ids, params,
                                 submission.adapter.name if submission.adapter else None, stream=submission.stream)
     if params.grammar is not None:  # compiled here, on the request's thread, never on the engine's
+        from worker.engine.grammar import GrammarError
+
         try:
             request.grammar = loaded.engine.grammars().compile(params.grammar)
         except GrammarError as exc:
