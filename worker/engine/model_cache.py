@@ -134,6 +134,9 @@ def submit(cache: ModelCache, submission: Submission,
         raise RequestFailed("invalid_prompt",
                             f"The prompt ({len(ids)} tokens) plus max tokens ({params.max_new_tokens}) exceeds the "
                             f"model's context of {loaded.max_positions}.")
+    if len(ids) >= loaded.engine.max_seq_len:  # the engine would refuse it too, but as an error of its own
+        raise RequestFailed("invalid_prompt", f"The prompt ({len(ids)} tokens) must be shorter than the "
+                                              f"{loaded.engine.max_seq_len} tokens this worker holds per request.")
     request = GenerationRequest(submission.request_id, ids, params,
                                 submission.adapter.name if submission.adapter else None, stream=submission.stream)
     if params.grammar is not None:  # compiled here, on the request's thread, never on the engine's

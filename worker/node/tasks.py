@@ -29,4 +29,7 @@ def inference(kind: str, record_id: str) -> None:
 def batch_chunk(chunk_id: str) -> None:
     from worker.serving.batch import run_chunk
 
-    run_chunk(node(), chunk_id)
+    try:
+        run_chunk(node(), chunk_id)
+    finally:  # a chunk that raised must not stay in the node's jobs with its lease renewed for ever
+        node().job_finished(chunk_id)

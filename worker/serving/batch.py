@@ -116,6 +116,8 @@ def run_chunk(node: Node, chunk_id: str) -> None:
                  f"line {number}: {'.'.join(map(str, first['loc']))}: {first['msg']}")
         except RequestFailed as exc:
             fail(position, custom_id, exc.code, f"line {number}: {exc}")
+        except Exception as exc:  # whatever else a line's preparation raises ends that line, not the chunk
+            fail(position, custom_id, "server_error", f"line {number}: {type(exc).__name__}: {exc}")
         if len(prepared) == SEND_LINES:
             hand_over(prepared)
             prepared = []

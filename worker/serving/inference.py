@@ -8,6 +8,8 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Iterator
 
+from jinja2 import TemplateError
+
 from contract import catalog, events, tool_calls, webhooks
 from contract.layout import adapter_dir, checkpoint_dir
 from contract.records import now
@@ -52,8 +54,11 @@ def prompt_ids(tokenizer, request: dict) -> list[int]:
     messages = [tool_calls.as_template_message(m) if m.get("tool_calls") else m for m in request["messages"]]
     tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "strict" and v is not None}}
              for t in request.get("tools") or []]
-    return tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=True,
-                                         return_dict=True)["input_ids"]
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"]
+    except TemplateError as exc:  # templates raise on what they refuse, e.g. roles that do not alternate
+        raise RequestFailed("invalid_prompt", f"The model's chat template refused these messages: {exc}") from None
 
 
 _tokenizers: dict[str, object] = {}
@@ -106,6 +111,8 @@ def prepare(node: Node, request_id: str, tenant: str, request: dict) -> Submissi
     if any(not 0 <= int(t) < vocab for t, _ in request.get("logit_bias") or []):
         raise RequestFailed("invalid_value", f"logit_bias: token ids of '{request['model']}' are 0 to {vocab - 1}.",
                             "logit_bias")
+    if any(not 0 <= i < vocab for i in ids):
+        raise RequestFailed("invalid_prompt", f"The prompt's token ids must be in [0, {vocab}).")
     model = ModelKey(base, request.get("attn_implementation"), request.get("quantization") or "none",
                      bool(request.get("use_kernels")))
     return Submission(request_id, model, adapter_of(tenant, ref, node.settings), ids, sampling_params(request))
@@ -133,8 +140,11 @@ def start(node: Node, request_id: str, tenant: str, request: dict) -> list[tuple
 def outcome(result: GenerationResult, request: dict, tokenizer) -> dict:
     """The result as the API reports it: tool calls parsed out of the text when the request offered tools, and
     logprobs in chat's per-token shape when asked for."""
+    # What a request can get wrong is refused before it reaches the engine (prepare, submit): an engine error without
+    # a code of its own is the server's (a failed step, an engine closed by eviction), and can be sent again.
     if result.finish_reason == "error":
-        raise RequestFailed("invalid_prompt", result.error or "generation failed")
+        raise RequestFailed(result.error_code or "server_error",
+                            f"Generation failed on the worker: {result.error or 'unknown error'}")
     out = {"text": result.text, "finish_reason": "stop" if result.finish_reason == "cancelled"
            else result.finish_reason, "prompt_tokens": result.prompt_tokens,
            "completion_tokens": result.completion_tokens, "system_fingerprint": result.served_by}
