@@ -45,6 +45,14 @@ def make_celery(settings: Settings, main: str = "xpujobs") -> Celery:
     return app
 
 
+def record_of(task_name: str, args: list) -> tuple[str, str] | None:
+    """(kind, record id) of a task message: publish's arguments read back."""
+    if task_name == TASK_INFERENCE:
+        return args[0], args[1]
+    kind = {TASK_FINE_TUNE: "ftjob", TASK_BATCH_CHUNK: "chunk"}.get(task_name)
+    return (kind, args[0]) if kind else None
+
+
 def publish(celery: Celery, store: RecordStore, kind: str, record_id: str, queue: str, *,
             countdown: float | None = None) -> None:
     """Put a record's task on a queue, then note that it got there: the reconciler re-publishes a queued record

@@ -2,13 +2,15 @@
 
 Both kinds take connections from a blocking pool (a burst waits for a free connection instead of failing once
 the pool is spent), check idle connections before use and retry a command briefly on a dropped connection, so
-they recover by themselves after a Redis restart. A longer outage surfaces as redis.ConnectionError.
+they recover by themselves after a Redis restart. A longer outage surfaces as redis.ConnectionError, except on the
+worker side's durable client, which waits for Redis however long it is away.
 """
 
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError, TimeoutError
 from redis.retry import Retry
 
 from contract.settings import Settings
@@ -27,6 +29,15 @@ def sync_client(settings: Settings) -> redis.Redis:
         timeout=settings.redis_pool_timeout_seconds, health_check_interval=HEALTH_CHECK_SECONDS,
         socket_connect_timeout=5, socket_keepalive=True, retry=Retry(_backoff(), RETRIES))
     return redis.Redis(connection_pool=pool)
+
+
+def durable_client(settings: Settings) -> redis.Redis:
+    """For the worker side (node, batch chunks, trainer): a call made while Redis is away waits for it to come back,
+    however long that takes, so an outage pauses work instead of failing a job halfway through its bookkeeping."""
+    return redis.Redis.from_url(settings.redis_url, decode_responses=True,
+                                health_check_interval=HEALTH_CHECK_SECONDS, socket_keepalive=True,
+                                retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=-1),
+                                retry_on_error=[ConnectionError, TimeoutError])
 
 
 def async_client(settings: Settings) -> aioredis.Redis:

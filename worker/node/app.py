@@ -9,12 +9,18 @@ import sys
 
 from celery import signals
 
-from contract.queues import make_celery
+from contract.queues import make_celery, record_of
 from contract.settings import Settings
 
 settings = Settings()
 app = make_celery(settings, main="worker")
 app.conf.imports = ("worker.node.tasks",)
+# A Redis outage pauses the node instead of ending it: the consumer reconnects and publishes (a fine-tune handed back
+# to the queue, the reconciler's) wait for Redis for as long as it takes. A task is acked when it starts, so a
+# publish that gave up would lose its job.
+app.conf.broker_connection_max_retries = None
+app.conf.task_publish_retry_policy = {"max_retries": None, "interval_start": 0.2, "interval_step": 0.5,
+                                      "interval_max": 2}
 
 _state: dict = {}
 
@@ -46,6 +52,16 @@ def _start_node(**_):
 
     _state["webhooks"] = WebhookDispatcher(settings, _state["node"].store, _state["node"].name)
     _state["webhooks"].start()
+
+
+@signals.task_received.connect
+def _reserved(request=None, **_):
+    found = record_of(request.name, list(request.args or ())) if request is not None else None
+    if found and "node" in _state:
+        try:
+            _state["node"].reserve(*found)
+        except Exception as exc:  # the task still runs; only a death before it starts would go unnoticed
+            print(f"xpu-jobs: could not note the reservation of {found[1]}: {exc}", flush=True)
 
 
 @signals.worker_shutting_down.connect

@@ -1,13 +1,14 @@
 """State of this worker node: its devices, the jobs it runs, its registry heartbeat and its job leases."""
 
 import os
+import secrets
 import threading
 import time
 from typing import Callable
 
 from contract import events, registry
 from contract.records import RecordStore
-from contract.redis_conn import sync_client
+from contract.redis_conn import durable_client, sync_client
 from contract.settings import Settings
 from worker.node import devices
 
@@ -19,7 +20,10 @@ class Node:
         self.backend = devices.detect_backend(os.environ.get("XPUJOBS_DEVICE_BACKEND", settings.device_backend))
         self.devices = devices.describe(self.backend)
         self.mask = os.environ.get(devices.MASK_VARIABLE.get(self.backend, ""), None)
-        self.store = RecordStore(sync_client(settings))
+        # This run of the node: a node restarted under the same name is another instance, and what its predecessor
+        # had fetched is not delivered to it again.
+        self.instance = f"{self.name}/{secrets.token_hex(4)}"
+        self.store = RecordStore(durable_client(settings))
         self.redis = self.store.redis
         self.started_at = int(time.time())
         self.current_jobs: set[str] = set()
@@ -40,8 +44,13 @@ class Node:
             "devices": [{**d, "free_memory": f} for d, f in zip(self.devices, free)],
             "bf16": all(d["bf16"] for d in self.devices),
             "current_jobs": jobs, "current_job": jobs[0] if jobs else None, "pid": os.getpid(),
-            "started_at": self.started_at, "metrics_port": self.metrics_port,
+            "started_at": self.started_at, "metrics_port": self.metrics_port, "instance": self.instance,
         } | {k: v for report in self.reporters for k, v in report().items()}
+
+    def reserve(self, kind: str, record_id: str) -> None:
+        """A task of this record reached this node (to run now, after others, or at its countdown): if the node dies
+        before claiming it, the message sits unacked in Redis, and the reconciler publishes the record again."""
+        self.store.transition(kind, record_id, ["queued"], {"reserved_by": self.instance})
 
     def claim(self, kind: str, record_id: str, fields: dict) -> bool:
         """Take a queued record: the lease is held before the status says running, so the reconciler never
@@ -83,4 +92,7 @@ class Node:
 
     def stop(self) -> None:
         self._stop.set()
-        registry.unregister(self.redis, self.name)
+        try:  # without waiting for a Redis that is away: the entry lapses by itself
+            registry.unregister(sync_client(self.settings), self.name)
+        except Exception as exc:
+            print(f"xpu-jobs: could not unregister {self.name}: {exc}", flush=True)

@@ -1,12 +1,15 @@
 """Requeues work whose worker died: a running job whose lease lapsed goes back on a queue (a fine-tune then
 resumes from its last checkpoint), up to an attempt limit; a queued job routed to a dead node is re-routed;
-a queued record whose task never reached the broker is published.
+a queued record whose task never reached the broker is published; a queued record whose task a node fetched and
+then died with (prefetched, or waiting for its countdown: the message sits unacked in Redis for the visibility
+timeout) is published again, whatever name the node came back under, since each run of a node is its own instance.
 
 Every worker node runs one; a short Redis lock makes one of them act at a time, and every change is a
 compare-and-set on the record, so two reconcilers can never requeue the same job twice.
 """
 
 import threading
+import time
 
 from celery import Celery
 
@@ -29,6 +32,9 @@ class Reconciler:
         self.store = RecordStore(sync_client(settings))
         self.redis = self.store.redis
         self._stop = threading.Event()
+        # After Redis was away, leases and registry entries may have lapsed with nobody dead: wait a lease period
+        # for the heartbeats to renew them before taking anything for lost.
+        self._quiet_until = 0.0
 
     def start(self) -> None:
         threading.Thread(target=self._loop, name="xpujobs-reconciler", daemon=True).start()
@@ -40,15 +46,19 @@ class Reconciler:
         interval = max(1.0, self.settings.lease_seconds / 3)
         while not self._stop.wait(interval):
             try:
-                if self.redis.set("lock:reconciler", "1", nx=True, px=int(interval * 1000)):
+                if time.monotonic() >= self._quiet_until and \
+                        self.redis.set("lock:reconciler", "1", nx=True, px=int(interval * 1000)):
                     self.run_once()
             except Exception as exc:  # keep reconciling after a Redis blip
+                self._quiet_until = time.monotonic() + self.settings.lease_seconds
                 print(f"xpu-jobs reconciler: {exc}", flush=True)
 
     def run_once(self) -> None:
         # A few round trips per kind, whatever the number of jobs in flight: records, leases and live nodes are
         # each read at once.
-        live = {w["node"] for w in live_workers(self.redis)}
+        workers = live_workers(self.redis)
+        live = {w["node"] for w in workers}
+        instances = {w.get("instance") for w in workers}
         for kind in TASK_OF:
             record_ids = sorted(self.store.tracked(kind))
             records = self.store.get_many(kind, record_ids)
@@ -61,6 +71,11 @@ class Reconciler:
                 elif record["status"] == "queued" and record.get("queue", "").startswith("xpujobs.node.") \
                         and record["queue"].removeprefix("xpujobs.node.") not in live:
                     self._requeue(kind, record, "the worker it was routed to is gone", running=False)
+                elif record["status"] == "queued" and record.get("reserved_by") \
+                        and record["reserved_by"] not in instances:
+                    # Fetched by a node that died before running it: its message is stranded in Redis' unacked.
+                    if self.store.transition(kind, record_id, ["queued"], {"reserved_by": None}):
+                        publish(self.celery, self.store, kind, record_id, record["queue"])
                 elif record["status"] == "queued" and not record.get("published_at") \
                         and now() - int(record.get("created_at") or 0) > self.settings.lease_seconds:
                     # Its publisher died between writing the record and publishing the task.
@@ -101,7 +116,8 @@ class Reconciler:
             queue = choose_queue(live_workers(self.redis), need)
         except NoCapableWorker:
             return  # no worker now; try again next round
-        if not self.store.transition(kind, record_id, [status], {"status": "queued", "queue": queue}):
+        if not self.store.transition(kind, record_id, [status], {"status": "queued", "queue": queue,
+                                                               "reserved_by": None}):
             return
         step = max((c["step_number"] for c in record.get("checkpoints", [])), default=None)
         resume = f", resuming from checkpoint step {step}" if step else ""

@@ -2,7 +2,8 @@
 
 The child (worker.training.trainer) holds all device memory of the job, so its exit frees it all, whether the job
 succeeded, failed, was cancelled or was killed. The node refreshes the job's lease while the child runs; if
-the node dies, the lease lapses and the reconciler requeues the job.
+the node dies, the lease lapses and the reconciler requeues the job. A child killed without a result (the OOM
+killer's SIGKILL) is requeued here, resuming from its checkpoint, until the attempt limit.
 """
 
 import json
@@ -41,8 +42,9 @@ def run_fine_tune(node: Node, celery: Celery, job_id: str) -> None:
         outcome = _train_in_child(node, record)
         _settle(node, celery, {**record, "attempts": attempt}, outcome)
     finally:
-        node.job_finished(job_id)
+        # The slot first: it is local and cannot fail, while the lease release waits for Redis if it is away.
         node.training_slot.release()
+        node.job_finished(job_id)
 
 
 def _train_in_child(node: Node, record: dict) -> dict:
@@ -60,9 +62,9 @@ def _train_in_child(node: Node, record: dict) -> dict:
         time.sleep(0.5)
     if outcome_path.exists():
         return json.loads(outcome_path.read_text())
-    return {"status": "failed", "error": {"code": "training_process_died",
-                                          "message": f"The training process exited with code {child.returncode} "
-                                                     "without a result (out of memory?)."}}
+    return {"status": "died", "error": {"code": "training_process_died",
+                                        "message": f"The training process exited with code {child.returncode} "
+                                                   "without a result (out of memory?)."}}
 
 
 def training_command(job_id: str, processes: int) -> list[str]:
@@ -77,7 +79,7 @@ def _settle(node: Node, celery: Celery, record: dict, outcome: dict) -> None:
     store, redis, job_id = node.store, node.redis, record["id"]
     status = outcome["status"]
     if status == "preempted":
-        _requeue_preempted(node, celery, record)
+        _requeue(node, celery, record, f"Worker {node.name} is shutting down", count_attempt=False)
         return
     if status == "paused":
         if store.transition("ftjob", job_id, ["running"], {"status": "paused", "estimated_finish": None}):
@@ -86,6 +88,12 @@ def _settle(node: Node, celery: Celery, record: dict, outcome: dict) -> None:
             events.emit(redis, job_id, f"The job was paused at step {step}; its device is free",
                         data={"status": "paused", "step": step})
         return
+    if status == "died":
+        if record["attempts"] < node.settings.max_attempts:
+            _requeue(node, celery, record, outcome["error"]["message"], count_attempt=True)
+            return
+        status, outcome = "failed", {**outcome, "error": {**outcome["error"], "message": (
+            f"{outcome['error']['message']} It happened on each of {record['attempts']} attempts.")}}
     fields = {"status": status, "finished_at": now(), "estimated_finish": None}
     for key in ("fine_tuned_model", "trained_tokens", "result_files", "error"):
         if key in outcome:
@@ -98,18 +106,20 @@ def _settle(node: Node, celery: Celery, record: dict, outcome: dict) -> None:
         events.emit(redis, job_id, message, level=level, data={"status": status})
 
 
-def _requeue_preempted(node: Node, celery: Celery, record: dict) -> None:
-    """The node is shutting down and the job saved a checkpoint: back on a queue at once, and the attempt is
-    not counted, since the job did not fail."""
+def _requeue(node: Node, celery: Celery, record: dict, why: str, *, count_attempt: bool) -> None:
+    """Back on a queue at once, resuming from the job's last checkpoint. A node shutting down hands the job on
+    without counting the attempt, since the job did not fail; a training process that died counts one."""
     job_id = record["id"]
     try:
         queue = choose_queue([w for w in live_workers(node.redis) if w["node"] != node.name],
                              Requirement(bf16=bool(record.get("bf16"))))
     except NoCapableWorker:
-        queue = record["queue"]  # no other worker now: wait on the queue for this one's replacement
+        queue = record["queue"]  # no other worker now: wait on the queue for this one (or its replacement)
+    attempts = record["attempts"] - (0 if count_attempt else 1)
     if node.store.transition("ftjob", job_id, ["running"], {"status": "queued", "queue": queue,
-                                                            "attempts": record["attempts"] - 1}):
+                                                            "attempts": attempts, "reserved_by": None}):
         step = max((c["step_number"] for c in node.store.get("ftjob", job_id).get("checkpoints", [])), default=0)
-        events.emit(node.redis, job_id, f"Worker {node.name} is shutting down: checkpoint saved at step {step}, "
-                                        "job requeued", level="warn", data={"status": "queued", "step": step})
+        message = (f"{why}: checkpoint saved at step {step}, job requeued" if not count_attempt else
+                   f"Requeued (attempt {attempts + 1}): {why} Resuming from checkpoint step {step}")
+        events.emit(node.redis, job_id, message, level="warn", data={"status": "queued", "step": step})
         publish(celery, node.store, "ftjob", job_id, queue)

@@ -27,7 +27,7 @@ from contract.layout import (
     job_dir,
 )
 from contract.records import RecordStore, new_id, now
-from contract.redis_conn import sync_client
+from contract.redis_conn import durable_client
 from contract.registry import live_workers
 from contract.settings import Settings
 from contract.training_data import read_examples
@@ -449,7 +449,7 @@ def main(job_id: str) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: preempted.set())
     settings = Settings()
-    store = RecordStore(sync_client(settings))
+    store = RecordStore(durable_client(settings))
     job = store.get("ftjob", job_id)
     outcome_path = job_dir(settings.artifact_root, job["tenant"], job_id) / "outcome.json"
     outcome_path.parent.mkdir(parents=True, exist_ok=True)
