@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -98,22 +99,33 @@ def worker_commands(args: argparse.Namespace, environ: dict[str, str]) -> list[t
     return commands
 
 
-def _supervise(procs: list[subprocess.Popen]) -> int:
-    """Wait for the children; pass SIGINT/SIGTERM on so each node shuts down softly; stop all when one dies."""
-    def forward(signum, _frame):
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signum)
+def _supervise(procs: dict[str, subprocess.Popen], last: dict[str, subprocess.Popen] | None = None) -> int:
+    """Wait for the children (started in sessions of their own, so a terminal's Ctrl-C reaches only us). The first
+    SIGINT/SIGTERM stops them softly (SIGTERM: Celery's warm shutdown, where running fine-tunes checkpoint and go
+    back on a queue), a second one at once (SIGQUIT: Celery's cold shutdown); when one child dies, the others are
+    stopped softly. `last` (the embedded Redis) is stopped only once the others have exited, since their warm
+    shutdown still writes to it."""
+    asked: list[int] = []
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    while True:
-        codes = [p.poll() for p in procs]
-        if all(c is not None for c in codes):
-            return max(abs(c) for c in codes)
-        if any(c is not None for c in codes):
-            forward(signal.SIGTERM, None)
+    def stop(signum, _frame):
+        asked.append(signum)
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM if len(asked) == 1 else signal.SIGQUIT)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    while any(p.poll() is None for p in procs.values()):
+        for name, p in procs.items():
+            if p.poll() is not None and not asked:
+                print(f"xpu-jobs: {name} exited with code {p.returncode}; stopping the rest", file=sys.stderr,
+                      flush=True)
+                stop(signal.SIGTERM, None)
         time.sleep(0.5)
+    for p in (last or {}).values():
+        p.terminate()
+        p.wait(30)
+    return max(abs(p.returncode) for p in procs.values())
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -130,7 +142,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if len(commands) == 1:
         argv, env = commands[0]
         os.execvpe(argv[0], argv, env)
-    return _supervise([subprocess.Popen(argv, env=env) for argv, env in commands])
+    return _supervise({env["XPUJOBS_NODE_NAME"]: subprocess.Popen(argv, env=env, start_new_session=True)
+                       for argv, env in commands})
 
 
 def cmd_api(args: argparse.Namespace) -> int:
@@ -149,9 +162,44 @@ def cmd_api(args: argparse.Namespace) -> int:
             stale.unlink()
     else:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="xpujobs-api-metrics-")
-    uvicorn.run("api.main:create_app", factory=True, host=args.host, port=args.port, log_level="info",
-                workers=args.workers or Settings().api_workers)
+    workers = args.workers or Settings().api_workers
+    if workers > 1:
+        os.environ[API_MASTER_VARIABLE] = str(os.getpid())
+    uvicorn.run("worker.cli:api_app", factory=True, host=args.host, port=args.port, log_level="info",
+                workers=workers)
     return 0
+
+
+# Set for the API's worker processes to the pid of their uvicorn master.
+API_MASTER_VARIABLE = "XPUJOBS_API_MASTER_PID"
+
+
+def api_app():
+    """The API for uvicorn. A worker process of a master that died (SIGKILL leaves them running, still serving
+    the port, so a restart fails on it) stops itself: softly, then for good after a grace period."""
+    from api.main import create_app
+
+    master = os.environ.get(API_MASTER_VARIABLE)
+    if master:
+        def watch() -> None:
+            while os.getppid() == int(master):
+                time.sleep(1)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="xpujobs-master-watch", daemon=True).start()
+    return create_app()
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            return False
+        except OSError:
+            return True
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -162,12 +210,26 @@ def cmd_up(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env.setdefault("XPUJOBS_ARTIFACT_ROOT", str(data_dir / "artifacts"))
     env.setdefault("XPUJOBS_MODELS_ROOT", str(data_dir / "models"))
-    env.setdefault("XPUJOBS_OPEN_MODE", "true")
     settings = Settings(**{k.removeprefix("XPUJOBS_").lower(): v for k, v in env.items()
                            if k in ("XPUJOBS_ARTIFACT_ROOT", "XPUJOBS_MODELS_ROOT")})
-    procs = []
-    if not settings.redis_url and not env.get("XPUJOBS_REDIS_URL"):
-        procs.append(start_redis(args.redis_port, data_dir / "redis"))
+    if not settings.api_keys:
+        env.setdefault("XPUJOBS_OPEN_MODE", "true")  # keys configured: they are asked for
+    embedded = not settings.redis_url and not env.get("XPUJOBS_REDIS_URL")
+    ports = [(args.port, args.host, f"the API's port {args.port}", "--port")]
+    if embedded:
+        ports.append((args.redis_port, "127.0.0.1", f"the embedded Redis's port {args.redis_port}", "--redis-port"))
+    for port, host, what, option in ports:
+        if _port_in_use(host, port):
+            print(f"xpu-jobs up: {what} on {host} is already in use (another xpu-jobs, or another server?); stop "
+                  f"it or choose another with {option}", file=sys.stderr)
+            return 1
+    last = {}
+    if embedded:
+        try:
+            last["Redis"] = start_redis(args.redis_port, data_dir / "redis")
+        except (RuntimeError, OSError) as exc:
+            print(f"xpu-jobs up: the embedded Redis did not start: {exc}", file=sys.stderr)
+            return 1
         env["XPUJOBS_REDIS_URL"] = f"redis://127.0.0.1:{args.redis_port}/0"
         print(f"xpu-jobs up: embedded Redis on port {args.redis_port}, AOF in {data_dir / 'redis'}")
     if "demo-tiny" in settings.base_models and not (settings.models_root / "demo-tiny" / "config.json").exists():
@@ -184,11 +246,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     worker_argv = [sys.executable, "-m", "worker.cli", "worker", "--backend", backend]
     for group in groups or []:
         worker_argv += ["--devices", group]
-    procs.append(subprocess.Popen(worker_argv, env=env))
-    procs.append(subprocess.Popen([sys.executable, "-m", "worker.cli", "api", "--host", args.host,
-                                   "--port", str(args.port)], env=env))
-    print(f"xpu-jobs up: API on http://{args.host}:{args.port}/v1 (open mode: no API key needed); Ctrl-C stops")
-    return _supervise(procs)
+    procs = {"the workers": subprocess.Popen(worker_argv, env=env, start_new_session=True),
+             "the API": subprocess.Popen([sys.executable, "-m", "worker.cli", "api", "--host", args.host,
+                                          "--port", str(args.port)], env=env, start_new_session=True)}
+    access = (f"API keys required ({len(settings.api_keys)} configured)" if settings.api_keys else
+              "open mode: no API key needed" if env["XPUJOBS_OPEN_MODE"].lower() in ("1", "true", "yes", "on")
+              else "no API keys configured and open mode off: every call is refused")
+    print(f"xpu-jobs up: API on http://{args.host}:{args.port}/v1 ({access}); Ctrl-C stops softly (running "
+          "fine-tunes checkpoint), twice at once")
+    return _supervise(procs, last)
 
 
 def cmd_demo_model(args: argparse.Namespace) -> int:

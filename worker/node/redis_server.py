@@ -19,11 +19,13 @@ def redis_server_binary() -> str:
 def start_redis(port: int, data_dir: Path, *, appendonly: bool = True) -> subprocess.Popen:
     """A persistent (AOF, fsync every second, no eviction) Redis on 127.0.0.1:port, ready to use."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(
-        [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
-         "--appendonly", "yes" if appendonly else "no", "--appendfsync", "everysec",
-         "--maxmemory-policy", "noeviction", "--save", "", "--daemonize", "no"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    with (data_dir / "redis-server.log").open("ab") as log:
+        proc = subprocess.Popen(
+            [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
+             "--appendonly", "yes" if appendonly else "no", "--appendfsync", "everysec",
+             "--maxmemory-policy", "noeviction", "--save", "", "--daemonize", "no"],
+            # Its own session: a terminal's Ctrl-C must not stop Redis before the workers have handed work back.
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
@@ -31,7 +33,9 @@ def start_redis(port: int, data_dir: Path, *, appendonly: bool = True) -> subpro
                 return proc
         except OSError:
             if proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {proc.returncode} on port {port}") from None
+                said = (data_dir / "redis-server.log").read_text(errors="replace").strip().splitlines()[-3:]
+                raise RuntimeError(f"redis-server exited with code {proc.returncode} on port {port}: "
+                                   + " / ".join(said)) from None
             time.sleep(0.05)
     proc.kill()
     raise RuntimeError(f"redis-server did not listen on port {port}")
