@@ -35,16 +35,14 @@ def redis_url(stack_dir):
     proc.wait(10)
 
 
-@pytest.fixture(scope="session")
-def stack_env(stack_dir, redis_url) -> dict[str, str]:
-    models = stack_dir / "models"
-    build_demo_model(models / "demo-tiny")
+def service_env(redis_url: str, root: Path, base_models: list[str]) -> dict[str, str]:
+    """The environment of a test stack's processes (the session's, or the fault suite's own)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XPUJOBS_", "ZE_", "CUDA_VISIBLE"))}
     env.update({
         "XPUJOBS_REDIS_URL": redis_url,
-        "XPUJOBS_ARTIFACT_ROOT": str(stack_dir / "artifacts"),
-        "XPUJOBS_MODELS_ROOT": str(models),
-        "XPUJOBS_BASE_MODELS": json.dumps(["demo-tiny"]),
+        "XPUJOBS_ARTIFACT_ROOT": str(root / "artifacts"),
+        "XPUJOBS_MODELS_ROOT": str(root / "models"),
+        "XPUJOBS_BASE_MODELS": json.dumps(base_models),
         "XPUJOBS_API_KEYS": json.dumps({KEY_A: "tenant-a", KEY_B: "tenant-b"}),
         "XPUJOBS_ADMIN_API_KEYS": json.dumps([KEY_ADMIN]),
         "XPUJOBS_DEVICE_BACKEND": TEST_BACKEND,
@@ -59,6 +57,28 @@ def stack_env(stack_dir, redis_url) -> dict[str, str]:
         "OMP_NUM_THREADS": "1",
     })
     return env
+
+
+@pytest.fixture(scope="session")
+def stack_env(stack_dir, redis_url) -> dict[str, str]:
+    build_demo_model(stack_dir / "models" / "demo-tiny")
+    build_strict_demo_model(stack_dir / "models" / "demo-strict")
+    return service_env(redis_url, stack_dir, ["demo-tiny", "demo-strict"])
+
+
+# Like many real templates (Llama 2, Mistral), one that raises on roles that do not alternate.
+STRICT_TEMPLATE = (
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_strict_demo_model(out: Path) -> None:
+    build_demo_model(out)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": STRICT_TEMPLATE}))
+    (out / "chat_template.jinja").unlink(missing_ok=True)
 
 
 def _wait(predicate, timeout: float, what: str):

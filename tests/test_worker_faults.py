@@ -1,0 +1,74 @@
+"""Worker-side faults that the normal suite can show quickly: a line whose preparation raises ends with an error
+line instead of hanging its chunk; an engine failure is a server error, a refused prompt a client error; a task
+that a dead node had fetched (but not started) is published again. The slow ones are in tests/faults."""
+
+import json
+import time
+
+import openai
+import pytest
+from conftest import _wait
+
+from contract.records import RecordStore, new_id
+from worker.engine.engine import GenerationResult
+from worker.serving.inference import RequestFailed, outcome
+
+TERMINAL = ("completed", "failed", "cancelled", "expired")
+NOT_ALTERNATING = [{"role": "user", "content": "Hi."}, {"role": "user", "content": "Hi again."}]
+
+
+def _line(custom_id: str, model: str, messages: list[dict]) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": model, "messages": messages, "max_tokens": 2, "temperature": 0}})
+
+
+def test_a_chat_template_that_raises_ends_its_line_not_the_chunk(client_a):
+    """Was: the chunk hung for ever (only ValidationError and RequestFailed were caught around prepare)."""
+    lines = [_line("strict", "demo-strict", NOT_ALTERNATING),
+             _line("fine", "demo-strict", [{"role": "user", "content": "Hi."}])]
+    upload = client_a.files.create(file=("strict.jsonl", "\n".join(lines).encode()), purpose="batch")
+    batch = client_a.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                    completion_window="24h")
+    done = _wait(lambda: (b := client_a.batches.retrieve(batch.id)).status in TERMINAL and b, 120,
+                 f"batch {batch.id}")
+    assert done.status == "completed"
+    assert (done.request_counts.completed, done.request_counts.failed) == (1, 1)
+    error = json.loads(client_a.files.content(done.error_file_id).text)
+    assert error["custom_id"] == "strict" and error["error"]["code"] == "invalid_prompt"
+    assert "alternate" in error["error"]["message"]
+
+
+def test_a_refused_prompt_is_a_client_error(client_a):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client_a.chat.completions.create(model="demo-strict", messages=NOT_ALTERNATING, max_tokens=2)
+    assert caught.value.code == "invalid_prompt"
+
+
+def test_an_engine_failure_is_a_server_error():
+    """Was: every engine error became invalid_prompt, a 400, even an engine closed by eviction."""
+    failed = GenerationResult("r", [], "", "error", prompt_tokens=3, completion_tokens=0, error="engine closed")
+    with pytest.raises(RequestFailed) as caught:
+        outcome(failed)
+    assert caught.value.code == "server_error" and "engine closed" in str(caught.value)
+
+
+def test_a_task_fetched_by_a_node_that_died_is_published_again(client_a, redis_client, workers):
+    """A node fetches messages before it runs them (prefetch, countdowns); killed meanwhile, they stay in Redis'
+    unacked for the visibility timeout (12 h), and a node restarted under the same name does not get them back.
+    Here: a queued record published long ago and reserved by a node instance that is not alive; a worker's
+    reconciler must publish it again."""
+    store = RecordStore(redis_client)
+    record_id = new_id("response")
+    request = {"model": "demo-tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+               "temperature": 0, "top_p": None, "seed": None, "stop": [], "attn_implementation": "sdpa"}
+    dead = f"{workers[0].name}@gone/0000dead"
+    store.create("response", {"id": record_id, "tenant": "tenant-a", "status": "queued",
+                              "created_at": int(time.time()) - 60, "published_at": int(time.time()) - 60,
+                              "model": "demo-tiny", "base_model": "demo-tiny", "adapter_job": None,
+                              "adapter_step": None, "request": request, "queue": "xpujobs.cpu",
+                              "background": True, "metadata": {}, "reserved_by": dead})
+    store.track("response", record_id)
+    response = _wait(lambda: (r := client_a.responses.retrieve(record_id)).status == "completed" and r, 60,
+                     "the reconciler to publish the record again")
+    assert response.usage.output_tokens >= 1
+    assert store.get("response", record_id)["reserved_by"] != dead
