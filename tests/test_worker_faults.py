@@ -10,7 +10,7 @@ import pytest
 from conftest import _wait
 
 from contract.records import RecordStore, new_id
-from worker.engine.engine import GenerationResult
+from worker.engine.requests import GenerationResult
 from worker.serving.inference import RequestFailed, outcome
 
 TERMINAL = ("completed", "failed", "cancelled", "expired")
@@ -48,7 +48,7 @@ def test_an_engine_failure_is_a_server_error():
     """Was: every engine error became invalid_prompt, a 400, even an engine closed by eviction."""
     failed = GenerationResult("r", [], "", "error", prompt_tokens=3, completion_tokens=0, error="engine closed")
     with pytest.raises(RequestFailed) as caught:
-        outcome(failed)
+        outcome(failed, {}, None)
     assert caught.value.code == "server_error" and "engine closed" in str(caught.value)
 
 
