@@ -7,9 +7,11 @@ import time
 
 import openai
 import pytest
-from conftest import _wait
+from conftest import TEST_BACKEND, _wait
 
+from contract.queues import backend_queue
 from contract.records import RecordStore, new_id
+from contract.registry import live_workers
 from worker.engine.requests import GenerationResult
 from worker.serving.inference import RequestFailed, outcome
 
@@ -60,15 +62,16 @@ def test_a_task_fetched_by_a_node_that_died_is_published_again(client_a, redis_c
     store = RecordStore(redis_client)
     record_id = new_id("response")
     request = {"model": "demo-tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
-               "temperature": 0, "top_p": None, "seed": None, "stop": [], "attn_implementation": "sdpa"}
+               "temperature": 0, "top_p": None, "seed": None, "stop": []}
     dead = f"{workers[0].name}@gone/0000dead"
     store.create("response", {"id": record_id, "tenant": "tenant-a", "status": "queued",
                               "created_at": int(time.time()) - 60, "published_at": int(time.time()) - 60,
                               "model": "demo-tiny", "base_model": "demo-tiny", "adapter_job": None,
-                              "adapter_step": None, "request": request, "queue": "xpujobs.cpu",
+                              "adapter_step": None, "request": request, "queue": backend_queue(TEST_BACKEND),
                               "background": True, "metadata": {}, "reserved_by": dead})
     store.track("response", record_id)
-    response = _wait(lambda: (r := client_a.responses.retrieve(record_id)).status == "completed" and r, 60,
-                     "the reconciler to publish the record again")
-    assert response.usage.output_tokens >= 1
-    assert store.get("response", record_id)["reserved_by"] != dead
+    # Published again and claimed by a live node: what the reconciler owes (the generation itself is not at stake).
+    claimed = _wait(lambda: (r := store.get("response", record_id))["status"] != "queued" and r, 60,
+                    "the reconciler to publish the record again and a node to claim it")
+    assert claimed["reserved_by"] in {w["instance"] for w in live_workers(redis_client)}
+    assert claimed["published_at"] > int(time.time()) - 60
