@@ -3,8 +3,8 @@
 Supervised lines: `{"messages": [...], "tools"?: [...], "parallel_tool_calls"?: bool}` (every assistant message is
 trained unless it has `"weight": 0`; assistant messages may hold `tool_calls`, answered by `tool` messages;
 content may be a string or an array of text parts), or `{"prompt", "completion"}`.
-DPO lines: `{"input": {"messages", "tools"?, "parallel_tool_calls"?}, "preferred_output": [assistant message],
-"non_preferred_output": [assistant message]}`.
+DPO lines: `{"input": {"messages", "parallel_tool_calls"?}, "preferred_output": [assistant message],
+"non_preferred_output": [assistant message]}` (tools in a DPO input are refused: not supported yet).
 
 Validation runs in the API before a job is queued (pure Python, no model needed) and names the line and the
 field; the worker reads the same lines, normalised, through `read_examples`.
@@ -207,7 +207,9 @@ def _dpo(obj: dict) -> dict:
     if not isinstance(source, dict):
         raise BadExample("'input' must be an object {\"messages\": [...]}")
     _only(source, {"messages", "tools", "parallel_tool_calls"}, "input.")
-    tools, parallel = _tools(source, "input.")
+    if source.get("tools"):
+        raise BadExample("input.tools: tools in DPO examples are not supported")
+    _, parallel = _tools(source, "input.")
     messages = _messages(source.get("messages"), "input.messages", parallel)
     if messages[-1]["role"] == "assistant":
         raise BadExample("input.messages must end with a turn the outputs answer (not an assistant message)")
@@ -215,7 +217,7 @@ def _dpo(obj: dict) -> dict:
     rejected = _dpo_output(obj.get("non_preferred_output"), "non_preferred_output")
     if chosen["content"] == rejected["content"]:
         raise BadExample("preferred_output and non_preferred_output are the same")
-    return {"messages": messages, "tools": tools, "chosen": chosen, "rejected": rejected}
+    return {"messages": messages, "tools": None, "chosen": chosen, "rejected": rejected}
 
 
 def example(obj: dict, method: str = "supervised") -> dict:

@@ -258,3 +258,55 @@ def test_adapter_download_loads_in_peft_and_an_imported_adapter_is_served(client
         {"adapter_config.json": config, "adapter_model.safetensors": (tmp_path / "wrong.safetensors").read_bytes()})
     other_base = config.replace(b"demo-tiny", b"Llama-3-8B")
     assert "trained for" in refused({"adapter_config.json": other_base, "adapter_model.safetensors": weights})
+
+
+def _answer_logprob(model, tokenizer, prompt: str, answer: str) -> float:
+    import torch
+
+    before = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                           tokenize=False)
+    full = tokenizer.apply_chat_template([{"role": "user", "content": prompt},
+                                          {"role": "assistant", "content": answer}], tokenize=False)
+    start = len(tokenizer(before, add_special_tokens=False)["input_ids"])
+    ids = tokenizer(full, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+    return sum(logprobs[i - 1, ids[i]].item() for i in range(start, len(ids)))
+
+
+def test_dpo_moves_the_preferred_answer_above_the_other(client_a, http_a, stack_env, tmp_path):
+    import io
+    import zipfile
+
+    import openai
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt, preferred, other = "Say hello.", "Hello there!", "Hello!"
+    pair = {"input": {"messages": [{"role": "user", "content": prompt}]},
+            "preferred_output": [{"role": "assistant", "content": preferred}],
+            "non_preferred_output": [{"role": "assistant", "content": other}]}
+    data = client_a.files.create(file=("pairs.jsonl", "\n".join([json.dumps(pair)] * 8).encode()),
+                                 purpose="fine-tune")
+    with pytest.raises(openai.BadRequestError) as exc:  # a supervised file is not preference data
+        client_a.fine_tuning.jobs.create(model="demo-tiny", training_file=client_a.files.create(
+            file=("sft.jsonl", training_jsonl(2)), purpose="fine-tune").id, method={"type": "dpo"})
+    assert "line 1: DPO lines are" in exc.value.body["message"]
+    job = client_a.fine_tuning.jobs.create(
+        model="demo-tiny", training_file=data.id, seed=1,
+        method={"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.1, "n_epochs": 5, "batch_size": 4,
+                                                           "learning_rate_multiplier": 10}}})
+    assert job.method.type == "dpo" and job.method.dpo.hyperparameters.beta == 0.1
+    job = wait_for_job(client_a, job.id)
+    assert job.status == "succeeded", job.error
+    metrics = [e.data for e in client_a.fine_tuning.jobs.list_events(job.id, limit=100) if e.type == "metrics"]
+    assert len(metrics) == 10 and all("reward_accuracy" in m for m in metrics)
+    assert metrics[0]["train_loss"] < metrics[-1]["train_loss"]  # newest first: the DPO loss fell
+
+    base_dir = Path(stack_env["XPUJOBS_MODELS_ROOT"]) / "demo-tiny"
+    tokenizer, base = AutoTokenizer.from_pretrained(base_dir), AutoModelForCausalLM.from_pretrained(base_dir)
+    assert _answer_logprob(base, tokenizer, prompt, preferred) < _answer_logprob(base, tokenizer, prompt, other)
+    archive = http_a.get(f"/v1/fine_tuning/jobs/{job.id}/adapter").content
+    zipfile.ZipFile(io.BytesIO(archive)).extractall(tmp_path / "dpo")
+    tuned = PeftModel.from_pretrained(base, tmp_path / "dpo")
+    assert _answer_logprob(tuned, tokenizer, prompt, preferred) > _answer_logprob(tuned, tokenizer, prompt, other)

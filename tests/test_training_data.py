@@ -78,5 +78,7 @@ def test_dpo_lines():
     assert "DPO lines are" in errors_of({"prompt": "p", "completion": "c"}, method="dpo")[0]
     same = {**line, "non_preferred_output": line["preferred_output"]}
     assert "are the same" in errors_of(same, method="dpo")[0]
+    tools = {**line, "input": {**line["input"], "tools": [{"type": "function", "function": {"name": "f"}}]}}
+    assert "input.tools: tools in DPO examples are not supported" in errors_of(tools, method="dpo")[0]
     assert "preferred_output' must be a list of one assistant message" in errors_of(
         {**line, "preferred_output": []}, method="dpo")[0]

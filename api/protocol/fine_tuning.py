@@ -18,9 +18,18 @@ class Supervised(StrictModel):
     hyperparameters: Hyperparameters | None = None
 
 
+class DpoHyperparameters(Hyperparameters):
+    beta: float | Auto = Field("auto", description="above 0, at most 2; auto is 0.1")
+
+
+class Dpo(StrictModel):
+    hyperparameters: DpoHyperparameters | None = None
+
+
 class Method(StrictModel):
-    type: Literal["supervised"] = "supervised"
+    type: Literal["supervised", "dpo"] = "supervised"
     supervised: Supervised | None = None
+    dpo: Dpo | None = None
 
 
 class LoraOptions(StrictModel):

@@ -44,10 +44,19 @@ def get_job(store, job_id: str, tenant: str) -> dict:
     return job
 
 
+def _method_type(body: FineTuningJobCreate) -> str:
+    method = body.method.type if body.method else "supervised"
+    other = "dpo" if method == "supervised" else "supervised"
+    if body.method and getattr(body.method, other) is not None:
+        raise invalid(f"method.{other} does not go with method.type '{method}'.", param=f"method.{other}")
+    return method
+
+
 def _resolved_hyperparameters(body: FineTuningJobCreate, settings) -> dict:
     given = body.hyperparameters or Hyperparameters()
-    if body.method and body.method.supervised and body.method.supervised.hyperparameters:
-        given = body.method.supervised.hyperparameters
+    section = getattr(body.method, _method_type(body)) if body.method else None
+    if section and section.hyperparameters:
+        given = section.hyperparameters
     n_epochs = settings.default_n_epochs if given.n_epochs == "auto" else given.n_epochs
     batch_size = settings.default_batch_size if given.batch_size == "auto" else given.batch_size
     multiplier = 1.0 if given.learning_rate_multiplier == "auto" else given.learning_rate_multiplier
@@ -58,15 +67,23 @@ def _resolved_hyperparameters(body: FineTuningJobCreate, settings) -> dict:
     if not 0 < multiplier <= 100:
         raise invalid("learning_rate_multiplier must be above 0 and at most 100.",
                       param="hyperparameters.learning_rate_multiplier")
-    return {"n_epochs": n_epochs, "batch_size": batch_size, "learning_rate_multiplier": multiplier,
-            "learning_rate": settings.base_learning_rate * multiplier}
+    resolved = {"n_epochs": n_epochs, "batch_size": batch_size, "learning_rate_multiplier": multiplier,
+                "learning_rate": settings.base_learning_rate * multiplier}
+    if _method_type(body) == "dpo":
+        beta = getattr(given, "beta", "auto")
+        beta = 0.1 if beta == "auto" else beta
+        if not 0 < beta <= 2:
+            raise invalid("beta must be above 0 and at most 2.", param="method.dpo.hyperparameters.beta")
+        resolved["beta"] = beta
+    return resolved
 
 
-def _check_training_file(store, settings, tenant: str, file_id: str, param: str) -> list[str]:
+def _check_training_file(store, settings, tenant: str, file_id: str, param: str,
+                         method: str = "supervised") -> list[str]:
     record = get_file(store, file_id, tenant, param)
     if record["purpose"] != "fine-tune":
         raise invalid(f"File '{file_id}' has purpose '{record['purpose']}', not 'fine-tune'.", param=param)
-    count, errors = validate_training_bytes(file_path(settings.artifact_root, tenant, file_id).read_bytes())
+    count, errors = validate_training_bytes(file_path(settings.artifact_root, tenant, file_id).read_bytes(), method)
     if not errors and count == 0:
         errors = ["the file holds no usable examples"]
     return [f"{param} {file_id}: {e}" for e in errors]
@@ -102,9 +119,10 @@ def create_job(body: FineTuningJobCreate, tenant: TenantDep, settings: SettingsD
         raise APIError(400, str(exc), param="model", code="no_capable_worker") from None
 
     # The files' contents are validated before anything is created: a rejected job leaves no record.
-    errors = _check_training_file(store, settings, tenant, body.training_file, "training_file")
+    method = _method_type(body)
+    errors = _check_training_file(store, settings, tenant, body.training_file, "training_file", method)
     if body.validation_file:
-        errors += _check_training_file(store, settings, tenant, body.validation_file, "validation_file")
+        errors += _check_training_file(store, settings, tenant, body.validation_file, "validation_file", method)
     if errors:
         raise invalid("The training data is invalid: " + "; ".join(errors),
                       param="validation_file" if errors[0].startswith("validation_file") else "training_file",
@@ -116,7 +134,7 @@ def create_job(body: FineTuningJobCreate, tenant: TenantDep, settings: SettingsD
         "training_file": body.training_file, "validation_file": body.validation_file, "suffix": body.suffix,
         "seed": body.seed if body.seed is not None else secrets.randbelow(2**31),
         "metadata": body.metadata, "hyperparameters": hyperparameters,
-        "method": {"type": "supervised", "supervised": {"hyperparameters": hyperparameters}},
+        "method": {"type": method, method: {"hyperparameters": hyperparameters}},
         "lora": lora, "init_adapter": init_adapter, "quantization": body.quantization, "bf16": body.bf16,
         "attn_implementation": body.attn_implementation, "use_kernels": body.use_kernels,
         "max_steps": body.max_steps,

@@ -216,16 +216,19 @@ def make_callback(job: dict, store: RecordStore, settings: Settings):
                             data={"step": state.global_step})
 
         def on_log(self, args, state, control, logs=None, **kwargs):
+            # TRL's DPO logs a mean_token_accuracy of 0 that measures nothing there: DPO reports its reward
+            # accuracy (the share of pairs whose preferred answer gained over the other) instead.
             if logs and "eval_loss" in logs:
-                self.last_eval = {"valid_loss": logs["eval_loss"],
-                                  "valid_mean_token_accuracy": logs.get("eval_mean_token_accuracy")}
+                self.last_eval = {"valid_loss": logs["eval_loss"], "valid_mean_token_accuracy":
+                                  None if "eval_rewards/accuracies" in logs else logs.get("eval_mean_token_accuracy")}
             if not logs or "loss" not in logs or not state.is_world_process_zero:
                 return
             done = state.global_step - (self.first_step or 0)
             per_step = (time.monotonic() - self.started) / max(done, 1)
             eta = now() + int(per_step * (state.max_steps - state.global_step))
             data = {"step": state.global_step, "total_steps": state.max_steps, "train_loss": logs["loss"],
-                    "train_mean_token_accuracy": logs.get("mean_token_accuracy"),
+                    "train_mean_token_accuracy": None if "rewards/accuracies" in logs
+                    else logs.get("mean_token_accuracy"),
                     "learning_rate": logs.get("learning_rate"), "epoch": logs.get("epoch"),
                     "estimated_finish": eta}
             # Speed since the previous log (for /metrics and the progress views).
@@ -235,6 +238,8 @@ def make_callback(job: dict, store: RecordStore, settings: Settings):
                 data["steps_per_second"] = (state.global_step - self.last_log[1]) / elapsed
                 data["tokens_per_second"] = (tokens - self.last_log[2]) / elapsed
             self.last_log = (clock, state.global_step, tokens)
+            if "rewards/accuracies" in logs:
+                data.update(reward_accuracy=logs["rewards/accuracies"], reward_margin=logs.get("rewards/margins"))
             self.metrics.append(data)
             store.update("ftjob", job_id, {"estimated_finish": eta})
             events.emit(redis, job_id, f"Step {state.global_step}/{state.max_steps}: training loss={logs['loss']:.4f}",
@@ -304,13 +309,15 @@ def train(job: dict, store: RecordStore, settings: Settings, backend: str) -> di
                                                  target_modules=lora["target_modules"], task_type="CAUSAL_LM"))
 
     max_length = min(getattr(model.config, "max_position_embeddings", None) or 2048, settings.training_max_seq_len)
-    train_rows = _rows(job, store, settings, tokenizer, "training_file", max_length)
-    eval_rows = _rows(job, store, settings, tokenizer, "validation_file", max_length) \
+    dpo = (job.get("method") or {}).get("type") == "dpo"
+    rows = _preference_rows if dpo else _rows
+    train_rows = rows(job, store, settings, tokenizer, "training_file", max_length)
+    eval_rows = rows(job, store, settings, tokenizer, "validation_file", max_length) \
         if job.get("validation_file") else None
     hp = job["hyperparameters"]
     max_steps = _step_limit(job, store, settings, len(train_rows))
     out = checkpoints_dir(settings.artifact_root, tenant, job_id)
-    args = TrainingArguments(
+    common = dict(
         output_dir=str(out), num_train_epochs=hp["n_epochs"], per_device_train_batch_size=hp["batch_size"],
         per_device_eval_batch_size=hp["batch_size"], learning_rate=hp["learning_rate"],
         max_steps=max_steps, save_strategy="steps", save_steps=job["checkpoint_steps"],
@@ -321,8 +328,18 @@ def train(job: dict, store: RecordStore, settings: Settings, backend: str) -> di
         include_num_input_tokens_seen="non_padding",  # tokens/s in the metrics events
     )
     callback = make_callback(job, store, settings)
-    trainer = job_trainer_class()(model=model, args=args, train_dataset=train_rows, eval_dataset=eval_rows,
-                                  data_collator=Collator(tokenizer.pad_token_id), callbacks=[callback])
+    if dpo:
+        # TRL's DPOTrainer; with a PEFT model and no reference model, the reference is the model with its
+        # adapter disabled (the base, or the ft: model's base when an ft: model trains on).
+        from trl import DPOConfig, DPOTrainer
+
+        args = DPOConfig(**common, beta=hp["beta"], max_length=max_length)
+        trainer = DPOTrainer(model=model, args=args, train_dataset=train_rows, eval_dataset=eval_rows,
+                             processing_class=tokenizer, callbacks=[callback])
+    else:
+        trainer = job_trainer_class()(model=model, args=TrainingArguments(**common), train_dataset=train_rows,
+                                      eval_dataset=eval_rows, data_collator=Collator(tokenizer.pad_token_id),
+                                      callbacks=[callback])
     trainer.train(resume_from_checkpoint=_resume_point(job, out))
     if callback.cancelled:
         return {"status": "cancelled"}
@@ -355,6 +372,17 @@ def _rows(job: dict, store: RecordStore, settings: Settings, tokenizer, param: s
         raise JobFailed("examples_too_long", f"Every example of the {param} is longer than the context "
                                              f"({max_length} tokens) before its first trained token")
     return rows
+
+
+def _preference_rows(job: dict, store: RecordStore, settings: Settings, tokenizer, param: str, max_length: int):
+    """DPO pairs in TRL's conversational preference format (TRL applies the chat template and truncates to
+    max_length)."""
+    from datasets import Dataset
+
+    plain = lambda messages: [{k: v for k, v in m.items() if k != "weight"} for m in messages]  # noqa: E731
+    examples = read_examples(file_path(settings.artifact_root, job["tenant"], job[param]), "dpo")
+    return Dataset.from_list([{"prompt": plain(e["messages"]), "chosen": [e["chosen"]], "rejected": [e["rejected"]]}
+                              for e in examples])
 
 
 def _init_adapter_path(job: dict, settings: Settings) -> Path:
