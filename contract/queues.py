@@ -5,15 +5,14 @@ The API only publishes by name (send_task); it never imports worker code.
 
 from celery import Celery
 
+from contract import live
 from contract.records import RecordStore, now
 from contract.settings import Settings
 
 TASK_FINE_TUNE = "xpujobs.fine_tune"
-TASK_INFERENCE = "xpujobs.inference"
 TASK_BATCH_CHUNK = "xpujobs.batch_chunk"
-# The task that runs each kind of record.
-TASK_OF = {"ftjob": TASK_FINE_TUNE, "response": TASK_INFERENCE, "chat": TASK_INFERENCE, "completion": TASK_INFERENCE,
-           "chunk": TASK_BATCH_CHUNK}
+# The task that runs each kind of record that goes through Celery (live inference does not: contract.live).
+TASK_OF = {"ftjob": TASK_FINE_TUNE, "chunk": TASK_BATCH_CHUNK}
 
 
 def backend_queue(backend: str) -> str:
@@ -47,8 +46,6 @@ def make_celery(settings: Settings, main: str = "xpujobs") -> Celery:
 
 def record_of(task_name: str, args: list) -> tuple[str, str] | None:
     """(kind, record id) of a task message: publish's arguments read back."""
-    if task_name == TASK_INFERENCE:
-        return args[0], args[1]
     kind = {TASK_FINE_TUNE: "ftjob", TASK_BATCH_CHUNK: "chunk"}.get(task_name)
     return (kind, args[0]) if kind else None
 
@@ -58,6 +55,8 @@ def publish(celery: Celery, store: RecordStore, kind: str, record_id: str, queue
     """Put a record's task on a queue, then note that it got there: the reconciler re-publishes a queued record
     whose publisher died in between. A second delivery is harmless, since a task claims its record by
     compare-and-set."""
-    args = [record_id] if kind in ("ftjob", "chunk") else [kind, record_id]
-    celery.send_task(TASK_OF[kind], args=args, queue=queue, countdown=countdown)
+    if kind in live.LIVE_KINDS:
+        live.push(store.redis, queue, kind, record_id)
+    else:
+        celery.send_task(TASK_OF[kind], args=[record_id], queue=queue, countdown=countdown)
     store.update(kind, record_id, {"published_at": now()})

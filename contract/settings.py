@@ -81,9 +81,12 @@ class Settings(BaseSettings):
     engine_max_batch_size: int = 256
     # Longest sequence (prompt + output) the engine's cache holds per request (capped by the model's context).
     engine_max_seq_len: int = 4096
-    # Threads of a worker node: concurrent inference requests it accepts and batches together. 64: a burst of 64
-    # live chats shares one engine batch (16 left three quarters of it waiting in the queue).
+    # Celery task threads of a worker node: batch chunks and fine-tunes it runs at once (live requests do not take
+    # them: see live_max_requests).
     worker_concurrency: int = 64
+    # Live inference requests (chat, responses, completions) a node runs at once, all batched in its engine; more
+    # wait in Redis for a node with room.
+    live_max_requests: int = 256
 
     # learning_rate = base_learning_rate * learning_rate_multiplier
     base_learning_rate: float = 2e-4

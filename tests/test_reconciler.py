@@ -19,7 +19,8 @@ def test_record_whose_publisher_died_is_published(client_a, redis_client):
                               "adapter_job": None, "adapter_step": None, "request": request,
                               "queue": backend_queue(TEST_BACKEND), "background": True, "metadata": {}})
     store.track("response", record_id)
-    response = _wait(lambda: (r := client_a.responses.retrieve(record_id)).status == "completed" and r, 30,
+    # Cut at its 3 tokens, it reads "incomplete" (max_output_tokens), as OpenAI's would.
+    response = _wait(lambda: (r := client_a.responses.retrieve(record_id)).status == "incomplete" and r, 30,
                      "the reconciler to publish the record")
     assert response.usage.output_tokens >= 1
     assert store.get("response", record_id)["published_at"]

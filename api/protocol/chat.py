@@ -50,7 +50,7 @@ class ChatCompletionRequest(ChatCompletionCreate):
         return self
 
     def normal(self) -> dict:
-        return {**super().normal(), "n": self.n}
+        return {**super().normal(), "n": self.n, "stream": self.stream}
 
     @property
     def include_usage(self) -> bool:

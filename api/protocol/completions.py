@@ -48,7 +48,7 @@ class CompletionRequest(CompletionCreate):
         return list(self.prompt)
 
     def normal(self) -> dict:
-        normal = {**super().normal(), "n": self.n}
+        normal = {**super().normal(), "n": self.n, "stream": self.stream}
         if len(prompts := self.prompts()) > 1:
             normal["prompts"] = prompts
             del normal["prompt"]

@@ -56,4 +56,4 @@ class ResponseRequest(ResponseCreate):
         """The normal form, continuing `history` (the earlier turns of previous_response_id, without their
         instructions, which OpenAI does not carry over)."""
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        return {**self.normal(), "messages": system + history + self.input_messages()}
+        return {**self.normal(), "messages": system + history + self.input_messages(), "stream": self.stream}

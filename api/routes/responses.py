@@ -2,10 +2,14 @@
 and the input items."""
 
 import asyncio
+import itertools
+import json
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
+from sse_starlette import ServerSentEvent
 
+from api import streaming
 from api.deps import CeleryDep, RedisDep, SettingsDep, StoreDep, TenantDep
 from api.errors import APIError, invalid, not_found
 from api.inference_service import TERMINAL, submit, wait_for
@@ -48,11 +52,44 @@ def history(store: RecordStore, tenant: str, previous_id: str | None) -> list[di
     return previous.get("conversation", []) + [answer]
 
 
+def response_events(record: dict, store: RecordStore):
+    """The Responses API's typed events for a text answer, numbered in order, from response.created to
+    response.completed (or .incomplete, .failed), each terminal one carrying the whole response."""
+    numbers = itertools.count()
+
+    def event(kind: str, **fields) -> ServerSentEvent:
+        return ServerSentEvent(json.dumps({"type": kind, "sequence_number": next(numbers), **fields}), event=kind)
+
+    async def send(batches: streaming.Batches):
+        running = to_openai({**record, "status": "in_progress"})
+        yield event("response.created", response=running)
+        yield event("response.in_progress", response=running)
+        item = outputs.output_message(record["id"], "", "in_progress")
+        where = {"item_id": item["id"], "output_index": 0, "content_index": 0}
+        yield event("response.output_item.added", output_index=0, item={**item, "content": []})
+        yield event("response.content_part.added", **where, part=item["content"][0])
+        async for batch in batches:
+            for _, text in batch:
+                yield event("response.output_text.delta", **where, delta=text, logprobs=[])
+        final = await asyncio.to_thread(store.get, "response", record["id"])
+        response = to_openai(final)
+        if response["output"]:
+            message = response["output"][0]
+            part = message["content"][0]
+            yield event("response.output_text.done", **where, text=part["text"], logprobs=[])
+            yield event("response.content_part.done", **where, part=part)
+            yield event("response.output_item.done", output_index=0, item=message)
+        terminal = {"completed": "response.completed", "incomplete": "response.incomplete"}
+        yield event(terminal.get(response["status"], "response.failed"), response=response)
+        if final.get("options", {}).get("store") is False:
+            await asyncio.to_thread(store.delete, "response", record["id"], record["tenant"])
+
+    return send
+
+
 @router.post("")
 async def create_response(body: ResponseRequest, request: Request, tenant: TenantDep, settings: SettingsDep,
                           store: StoreDep, celery: CeleryDep):
-    if body.stream:
-        raise invalid("Streaming is not available yet.", param="stream")
     earlier = await asyncio.to_thread(history, store, tenant, body.previous_response_id)
     job = {**body.normal_with(earlier), "instructions": body.instructions,
            "max_output_tokens": body.max_output_tokens}
@@ -62,6 +99,9 @@ async def create_response(body: ResponseRequest, request: Request, tenant: Tenan
                                      extra={"background": body.background, "metadata": body.metadata or {},
                                             "options": options, "input_items": body.input_messages(),
                                             "conversation": earlier + body.input_messages()})
+    if body.stream:
+        return await streaming.respond(request, "response", record, store, settings.request_timeout_seconds,
+                                       response_events(record, store), cancel_on_disconnect=not body.background)
     if not body.background:
         record = await wait_for(record["id"], "response", store=store, client=request.app.state.aioredis,
                                 timeout=settings.request_timeout_seconds)

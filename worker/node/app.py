@@ -43,9 +43,12 @@ def _start_node(**_):
     _state["node"].start()
     from worker.engine.model_cache import freeze_heap
     from worker.serving.inference import host_for
+    from worker.serving.intake import Intake
 
     host_for(_state["node"]).start()  # the engine process imports torch and the model libraries meanwhile
     freeze_heap()  # after the imports
+    _state["intake"] = Intake(_state["node"])
+    _state["intake"].start()
     _state["reconciler"] = Reconciler(settings, app)
     _state["reconciler"].start()
     from worker.node.webhooks import WebhookDispatcher
@@ -65,7 +68,9 @@ def _reserved(request=None, **_):
 
 
 @signals.worker_shutting_down.connect
-def _preempt_training(**_):
+def _begin_shutdown(**_):
+    if "intake" in _state:
+        _state["intake"].stop(wait=False)  # no new live requests; the running ones finish below
     if "node" in _state:
         _state["node"].stopping.set()
 
@@ -76,6 +81,8 @@ def _stop_node(**_):
         _state["reconciler"].stop()
     if "webhooks" in _state:
         _state["webhooks"].stop()
+    if "intake" in _state:
+        _state["intake"].stop(wait=True)
     if "node" in _state:
         from worker.serving.inference import host_for
 

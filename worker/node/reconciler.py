@@ -14,7 +14,7 @@ import time
 from celery import Celery
 
 from contract import events
-from contract.queues import TASK_OF, publish
+from contract.queues import publish
 from contract.records import RecordStore, now
 from contract.redis_conn import sync_client
 from contract.registry import live_workers
@@ -59,7 +59,7 @@ class Reconciler:
         workers = live_workers(self.redis)
         live = {w["node"] for w in workers}
         instances = {w.get("instance") for w in workers}
-        for kind in TASK_OF:
+        for kind in RUNNING:
             record_ids = sorted(self.store.tracked(kind))
             records = self.store.get_many(kind, record_ids)
             holders = events.lease_holders(self.redis, record_ids)

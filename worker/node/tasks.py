@@ -1,11 +1,12 @@
-"""Celery tasks. Each reads its job record, claims it by compare-and-set, and writes the outcome back.
+"""Celery tasks (fine-tunes and batch chunks; live inference comes through worker/serving/intake.py). Each reads
+its job record, claims it by compare-and-set, and writes the outcome back.
 
 Tasks are acked when they start (see contract.queues); the record and its lease keep them safe instead.
 """
 
 from celery.utils.log import get_task_logger
 
-from contract.queues import TASK_BATCH_CHUNK, TASK_FINE_TUNE, TASK_INFERENCE
+from contract.queues import TASK_BATCH_CHUNK, TASK_FINE_TUNE
 from worker.node.app import app, node
 
 log = get_task_logger(__name__)
@@ -16,13 +17,6 @@ def fine_tune(job_id: str) -> None:
     from worker.training.fine_tune import run_fine_tune
 
     run_fine_tune(node(), app, job_id)
-
-
-@app.task(name=TASK_INFERENCE)
-def inference(kind: str, record_id: str) -> None:
-    from worker.serving.inference import run_request
-
-    run_request(node(), kind, record_id)
 
 
 @app.task(name=TASK_BATCH_CHUNK)

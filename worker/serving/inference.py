@@ -3,6 +3,8 @@ and handed to the node's engine process (worker/engine/process.py), which holds 
 engines (worker/engine/model_cache.py); cancels asked for through the API reach it from here."""
 
 import contextlib
+import dataclasses
+import functools
 import threading
 import time
 from concurrent.futures import Future
@@ -16,10 +18,11 @@ from contract.records import now
 from contract.settings import Settings
 from worker.engine.messages import AdapterRef, ModelKey, Submission
 from worker.engine.process import EngineHost
-from worker.engine.requests import GenerationResult, RequestFailed, SamplingParams
+from worker.engine.requests import GenerationDelta, GenerationResult, RequestFailed, SamplingParams
 from worker.models import ModelLoadError, load_tokenizer
 from worker.node import metrics
 from worker.node.node import Node
+from worker.serving.output_stream import OutputStreams
 
 CANCEL_POLL_SECONDS = 0.1
 
@@ -127,13 +130,19 @@ def choice_requests(request: dict) -> list[dict]:
             for variant in prompts for i in range(n)]
 
 
-def start(node: Node, request_id: str, tenant: str, request: dict) -> list[tuple[str, Future]]:
+def start(node: Node, request_id: str, tenant: str, request: dict,
+          on_delta: Callable[[int, GenerationDelta], None] | None = None) -> list[tuple[str, Future]]:
     """Hand the request's choices to the node's engine process: (engine request id, future) each, in choice order.
     A future's result is a GenerationResult; it raises RequestFailed when the model, adapter or prompt cannot be
-    served."""
+    served. With on_delta, the choices stream: on_delta(choice, delta) gets their output as it is produced."""
     choices = choice_requests(request)
     ids = [request_id] if len(choices) == 1 else [f"{request_id}.{i}" for i in range(len(choices))]
-    futures = host_for(node).generate_many([prepare(node, i, tenant, c) for i, c in zip(ids, choices)])
+    submissions = [prepare(node, i, tenant, c) for i, c in zip(ids, choices)]
+    callbacks = None
+    if on_delta is not None:
+        submissions = [dataclasses.replace(s, stream=True) for s in submissions]
+        callbacks = [functools.partial(on_delta, choice) for choice in range(len(submissions))]
+    futures = host_for(node).generate_many(submissions, callbacks)
     return list(zip(ids, futures))
 
 
@@ -221,6 +230,14 @@ class CancelWatch:
 
 
 _watches: dict[str, CancelWatch] = {}
+_outputs: dict[str, OutputStreams] = {}
+
+
+def outputs_for(node: Node) -> OutputStreams:
+    with _hosts_lock:
+        if node.name not in _outputs:
+            _outputs[node.name] = OutputStreams(node.redis)
+        return _outputs[node.name]
 
 
 def cancel_watch_for(node: Node) -> CancelWatch:
@@ -250,8 +267,11 @@ def run_request(node: Node, kind: str, record_id: str) -> None:
         return
     # Wall-clock stamps (the API wrote "received"), so a slow request shows where its time went.
     timings = {**(record.get("timings") or {}), "claimed": time.time()}
+    # A streaming request's output goes to its Redis stream as the engine produces it (serving/output_stream.py).
+    outputs = outputs_for(node) if record["request"].get("stream") else None
+    on_delta = functools.partial(outputs.delta, record_id) if outputs else None
     try:
-        started = start(node, record_id, record["tenant"], record["request"])
+        started = start(node, record_id, record["tenant"], record["request"], on_delta)
         timings["submitted"] = time.time()
         results = wait(node, started, record_id)
         timings["generated"] = time.time()
@@ -269,4 +289,6 @@ def run_request(node: Node, kind: str, record_id: str) -> None:
         webhooks.job_ended(redis, record_id, fields["status"])
     store.untrack(kind, record_id)
     node.job_finished(record_id)
+    if outputs:
+        outputs.end(record_id)
     events.signal_done(redis, record_id)
