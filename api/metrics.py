@@ -23,6 +23,7 @@ from starlette.responses import Response
 
 from api.errors import APIError
 from contract import events
+from contract.live import live_list
 from contract.queues import backend_queue, node_queue
 from contract.registry import live_workers
 
@@ -33,7 +34,7 @@ LATENCY = Histogram("xpujobs_api_request_duration_seconds", "API request latency
                     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
 
 # Records that are jobs, and the backends whose shared queues always exist.
-JOB_KINDS = ("ftjob", "batch", "chunk", "response", "chat")
+JOB_KINDS = ("ftjob", "batch", "chunk", "response", "chat", "completion")
 BACKENDS = ("xpu", "cuda", "cpu")
 
 
@@ -81,11 +82,13 @@ class ClusterCollector(Collector):
     def _queues(self, workers):
         queues = {backend_queue(b) for b in BACKENDS} | {backend_queue(w["backend"]) for w in workers}
         queues |= {node_queue(w["node"]) for w in workers}
-        names = sorted(queues)
+        # Live requests wait in lists of their own (contract.live), next to the Celery queues.
+        names = sorted(queues) + sorted(live_list(q) for q in queues)
         pipe = self.redis.pipeline(transaction=False)
         for name in names:
             pipe.llen(name)
-        depth = GaugeMetricFamily("xpujobs_queue_depth", "Tasks waiting in a Celery queue", labels=["queue"])
+        depth = GaugeMetricFamily("xpujobs_queue_depth", "Tasks waiting in a Celery queue, or live requests in their "
+                                  "list (live:<queue>)", labels=["queue"])
         for name, length in zip(names, pipe.execute()):
             depth.add_metric([name], length)
         yield depth
