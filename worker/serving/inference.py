@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 from jinja2 import TemplateError
 
 from contract import catalog, events, tool_calls, webhooks
+from contract.inference_outputs import response_status
 from contract.layout import adapter_dir, checkpoint_dir
 from contract.records import now
 from contract.settings import Settings
@@ -286,7 +287,8 @@ def run_request(node: Node, kind: str, record_id: str) -> None:
     fields.update(completed_at=now(), timings=timings)
     metrics.observe(kind, fields["status"], fields.get("result"), timings)
     if store.transition(kind, record_id, ["in_progress"], fields) and record.get("background"):
-        webhooks.job_ended(redis, record_id, fields["status"])
+        # as the response reads: one cut at max_output_tokens ended "incomplete"
+        webhooks.job_ended(redis, record_id, response_status(fields["status"], fields.get("result"))[0])
     store.untrack(kind, record_id)
     node.job_finished(record_id)
     if outputs:
