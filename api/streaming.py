@@ -91,6 +91,18 @@ async def respond(request: Request, kind: str, record: dict, store: RecordStore,
     return EventSourceResponse(generate(), ping=15)
 
 
+def buffered(request: dict) -> bool:
+    """Whether the output is sent whole at the end rather than as it comes: text that may turn out to be a tool
+    call is parsed only once complete, and logprobs come with the finished result."""
+    offered = bool(request.get("tools")) and request.get("tool_choice") != "none"
+    return offered or request.get("logprobs") is not None
+
+
+async def drain(batches: Batches) -> None:
+    async for _ in batches:
+        pass
+
+
 def error_event(record: dict) -> str:
     error = record.get("error") or {"message": f"The request ended {record['status']}.", "code": None}
     return json.dumps({"error": {"message": error["message"], "type": "server_error", "param": None,

@@ -93,3 +93,36 @@ def test_disconnect_cancels_the_request(client_a, redis_client):
                    "the request to end")
     assert record["status"] == "cancelled"
     assert record["result"]["completion_tokens"] < 1000
+
+
+TOOL = {"type": "function", "function": {
+    "name": "get_weather", "strict": True,
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+def test_streamed_tool_calls_and_logprobs(client_a):
+    # Where the text may be a tool call, or carries logprobs, it comes whole at the end, in the same chunks.
+    args = {"model": "demo-tiny", "messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [TOOL],
+            "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0, "max_tokens": 120}
+    whole = client_a.chat.completions.create(**args).choices[0].message.tool_calls
+    chunks = list(client_a.chat.completions.create(stream=True, **args))
+    calls = [call for c in chunks for choice in c.choices for call in choice.delta.tool_calls or []]
+    assert [(c.index, c.id, c.function.name, c.function.arguments) for c in calls] == \
+        [(0, w.id, w.function.name, w.function.arguments) for w in whole]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    flat = {"type": "function", **TOOL["function"]}
+    with client_a.responses.stream(model="demo-tiny", input="Weather in Oslo?", tools=[flat], temperature=0,
+                                   tool_choice={"type": "function", "name": "get_weather"},
+                                   max_output_tokens=120) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert final.output[0].type == "function_call" and json.loads(final.output[0].arguments)["city"]
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
+
+    chunks = list(client_a.chat.completions.create(
+        model="demo-tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0, stream=True,
+        logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True}))
+    entries = [e for c in chunks for choice in c.choices if choice.logprobs for e in choice.logprobs.content]
+    assert len(entries) == 4 and all(len(e.top_logprobs) == 2 for e in entries)

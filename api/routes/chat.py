@@ -9,10 +9,19 @@ from api import streaming
 from api.deps import CeleryDep, SettingsDep, StoreDep, TenantDep
 from api.inference_service import raise_unless_completed, submit, wait_for
 from api.protocol.chat import ChatCompletionRequest
-from contract.inference_outputs import chat_completion, choices_of, usage
+from contract.inference_outputs import assistant_message, chat_completion, chat_logprobs, choices_of, usage
 from contract.records import RecordStore
 
 router = APIRouter(prefix="/v1/chat", tags=["chat"])
+
+
+def whole_delta(choice: dict) -> dict:
+    """A choice's whole answer as one delta: its text, or its tool calls (each with its index in the list)."""
+    message = assistant_message(choice)
+    delta = {"content": message["content"]}
+    if calls := message.get("tool_calls"):
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+    return delta
 
 
 def chunks(body: ChatCompletionRequest, record: dict, store: RecordStore):
@@ -29,16 +38,23 @@ def chunks(body: ChatCompletionRequest, record: dict, store: RecordStore):
     def choice(index: int, delta: dict, finish_reason: str | None = None) -> dict:
         return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
+    whole = streaming.buffered(record["request"])
+
     async def send(batches: streaming.Batches):
         yield chunk([choice(i, {"role": "assistant", "content": ""}) for i in range(body.n)])
-        async for batch in batches:
-            for index, text in batch:
-                yield chunk([choice(index, {"content": text})])
+        if whole:
+            await streaming.drain(batches)
+        else:
+            async for batch in batches:
+                for index, text in batch:
+                    yield chunk([choice(index, {"content": text})])
         final = await asyncio.to_thread(store.get, "chat", record["id"])
         if final["status"] not in ("completed", "cancelled"):
             yield streaming.error_event(final)
             return
         for index, c in enumerate(choices_of(final["result"])):
+            if whole:
+                yield json.dumps({**base, "choices": [{**choice(index, whole_delta(c)), "logprobs": chat_logprobs(c)}]})
             yield chunk([choice(index, {}, c["finish_reason"])])
         if body.include_usage:
             yield json.dumps({**base, "choices": [], "usage": usage(final["result"])})

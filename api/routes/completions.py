@@ -9,7 +9,7 @@ from api import streaming
 from api.deps import CeleryDep, SettingsDep, StoreDep, TenantDep
 from api.inference_service import raise_unless_completed, submit, wait_for
 from api.protocol.completions import CompletionRequest
-from contract.inference_outputs import choices_of, completion, usage
+from contract.inference_outputs import choices_of, completion, completion_logprobs, usage
 from contract.records import RecordStore
 
 router = APIRouter(prefix="/v1", tags=["completions"])
@@ -36,14 +36,21 @@ def chunks(body: CompletionRequest, record: dict, store: RecordStore):
         if body.echo:
             for index in range(count):
                 yield chunk(index, prompts[index // body.n])
-        async for batch in batches:
-            for index, text in batch:
-                yield chunk(index, text)
+        whole = streaming.buffered(record["request"])
+        if whole:
+            await streaming.drain(batches)
+        else:
+            async for batch in batches:
+                for index, text in batch:
+                    yield chunk(index, text)
         final = await asyncio.to_thread(store.get, "completion", record["id"])
         if final["status"] not in ("completed", "cancelled"):
             yield streaming.error_event(final)
             return
         for index, c in enumerate(choices_of(final["result"])):
+            if whole:  # the text with its logprobs
+                yield json.dumps({**base, "choices": [{"index": index, "text": c["text"], "finish_reason": None,
+                                                       "logprobs": completion_logprobs(c)}]})
             yield chunk(index, "", c["finish_reason"])
         if body.include_usage:
             yield json.dumps({**base, "choices": [], "usage": usage(final["result"])})

@@ -53,8 +53,10 @@ def history(store: RecordStore, tenant: str, previous_id: str | None) -> list[di
 
 
 def response_events(record: dict, store: RecordStore):
-    """The Responses API's typed events for a text answer, numbered in order, from response.created to
-    response.completed (or .incomplete, .failed), each terminal one carrying the whole response."""
+    """The Responses API's typed events, numbered in order, from response.created to response.completed (or
+    .incomplete, .failed), each terminal one carrying the whole response. A text answer's deltas go out as they
+    come; where the output may be function calls (tools offered) or carries logprobs, each item goes out whole at
+    the end, in the same events."""
     numbers = itertools.count()
 
     def event(kind: str, **fields) -> ServerSentEvent:
@@ -64,21 +66,38 @@ def response_events(record: dict, store: RecordStore):
         running = to_openai({**record, "status": "in_progress"})
         yield event("response.created", response=running)
         yield event("response.in_progress", response=running)
-        item = outputs.output_message(record["id"], "", "in_progress")
-        where = {"item_id": item["id"], "output_index": 0, "content_index": 0}
-        yield event("response.output_item.added", output_index=0, item={**item, "content": []})
-        yield event("response.content_part.added", **where, part=item["content"][0])
-        async for batch in batches:
-            for _, text in batch:
-                yield event("response.output_text.delta", **where, delta=text, logprobs=[])
+        live = not streaming.buffered(record["request"])
+        if live:
+            item = outputs.output_message(record["id"], "", "in_progress")
+            where = {"item_id": item["id"], "output_index": 0, "content_index": 0}
+            yield event("response.output_item.added", output_index=0, item={**item, "content": []})
+            yield event("response.content_part.added", **where, part=item["content"][0])
+            async for batch in batches:
+                for _, text in batch:
+                    yield event("response.output_text.delta", **where, delta=text, logprobs=[])
+        else:
+            await streaming.drain(batches)
         final = await asyncio.to_thread(store.get, "response", record["id"])
         response = to_openai(final)
-        if response["output"]:
-            message = response["output"][0]
-            part = message["content"][0]
-            yield event("response.output_text.done", **where, text=part["text"], logprobs=[])
-            yield event("response.content_part.done", **where, part=part)
-            yield event("response.output_item.done", output_index=0, item=message)
+        for index, item in enumerate(response["output"]):
+            if item["type"] == "message":
+                part = item["content"][0]
+                where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+                if not live:
+                    yield event("response.output_item.added", output_index=index,
+                                item={**item, "status": "in_progress", "content": []})
+                    yield event("response.content_part.added", **where, part={**part, "text": "", "logprobs": []})
+                    yield event("response.output_text.delta", **where, delta=part["text"], logprobs=part["logprobs"])
+                yield event("response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"])
+                yield event("response.content_part.done", **where, part=part)
+            else:  # a function call
+                yield event("response.output_item.added", output_index=index,
+                            item={**item, "status": "in_progress", "arguments": ""})
+                yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                            delta=item["arguments"])
+                yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                            arguments=item["arguments"])
+            yield event("response.output_item.done", output_index=index, item=item)
         terminal = {"completed": "response.completed", "incomplete": "response.incomplete"}
         yield event(terminal.get(response["status"], "response.failed"), response=response)
         if final.get("options", {}).get("store") is False:
