@@ -42,8 +42,12 @@ def test_processing_touches_only_its_own_rows(tiny, native):
         grammar = eng.grammars().compile({"type": "json_schema", "schema": SCHEMA, "strict": True})
         json_req = GenerationRequest("json", prompt, SamplingParams(max_new_tokens=60, temperature=0.8, seed=3),
                                      grammar=grammar)
+        tool = eng.grammars().compile({"type": "tool_calls", "choice": "f", "parallel": False, "tools": [
+            {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "boolean"}},
+                                         "required": ["x"]}}]})
+        tool_req = GenerationRequest("tool", prompt, SamplingParams(max_new_tokens=80, temperature=0), grammar=tool)
         results = {r.request_id: r for r in eng.generate([
-            plain("a", other), json_req, plain("bias", prompt, logit_bias=[(42, 100.0)]),
+            plain("a", other), json_req, tool_req, plain("bias", prompt, logit_bias=[(42, 100.0)]),
             plain("lp", prompt, logprobs=2), plain("pen", prompt, frequency_penalty=2.0, presence_penalty=2.0),
             plain("base", prompt)])}
         with pytest.raises(GrammarError):
@@ -51,6 +55,9 @@ def test_processing_touches_only_its_own_rows(tiny, native):
     assert results["a"].output_ids == alone.output_ids  # its neighbours' processing left it alone
     value = json.loads(results["json"].text)
     assert results["json"].finish_reason == "stop" and set(value) == {"ok", "n"} and value["n"] in (1, 2, 3)
+    call = results["tool"].text
+    assert call.startswith('<tool_call>\n{"name": "f", "arguments": ') and call.endswith("}\n</tool_call>"), call
+    assert isinstance(json.loads(call.split("\n")[1])["arguments"]["x"], bool)
     assert results["bias"].output_ids == [42] * 12
     lp = results["lp"].logprobs
     assert [t for t, _, _ in lp] == results["lp"].output_ids == results["base"].output_ids

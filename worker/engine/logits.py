@@ -106,8 +106,7 @@ def process(logits: torch.Tensor, rows: list, greedy: torch.Tensor | None) -> to
     masked = [(r, p.constraint) for r, (_, p) in enumerate(change) if p.constrained]
     if masked:
         bitmask = new_bitmask(len(change), logits.shape[-1])  # all allowed for rows without a grammar
-        for r, constraint in masked:
-            constraint.fill(bitmask, r)
+        masked[0][1].grammars.fill([c for _, c in masked], bitmask, [r for r, _ in masked])
         apply_bitmask(sub, bitmask.to(dev, non_blocking=True) if dev.type != "cpu" else bitmask)
     logits.index_copy_(0, index, sub.to(logits.dtype))
     return None
