@@ -19,7 +19,7 @@ from contract.settings import Settings
 TERMINAL = {"completed", "failed", "cancelled", "incomplete"}
 # A failed request's code -> the status the caller gets; anything else is a server error.
 STATUS_OF = {"invalid_prompt": 400, "invalid_value": 400, "unsupported_attention": 400, "kernels_unavailable": 400,
-             "model_not_found": 404}
+             "model_not_found": 404, "model_capacity": 503}
 
 
 def submit(kind: str, tenant: str, request: dict, *, settings: Settings, store: RecordStore, celery: Celery,

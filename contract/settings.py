@@ -75,6 +75,9 @@ class Settings(BaseSettings):
     max_attempts: int = 3
     # Base models kept loaded per worker, bounded by their parameter bytes.
     model_cache_bytes: int = 8 * 1024**3
+    # Most ways (attention, quantization, kernels: per-request options) one base is loaded in at once on a worker.
+    # A request for another way evicts the least recently used idle one; while every one is serving, it is refused.
+    model_variants_per_base: int = 2
     # Device memory one loaded model's generation engine may take for its KV cache and workspace.
     engine_memory_bytes: int = 4 * 1024**3
     # Most requests one engine decodes together.

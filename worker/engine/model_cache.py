@@ -23,11 +23,14 @@ class LoadedModel:
     max_positions: int | None
     nbytes: int
     adapters: set[str] = field(default_factory=set)
+    running: int = 0  # requests submitted and not finished: a model serving them is never evicted
 
 
 class ModelCache:
     """Loaded bases keyed by how they were loaded (model, attention, quantization, kernels), least recently used
-    evicted first."""
+    evicted first, and only while idle: per-request options cannot make a worker load a base in unbounded ways
+    (settings.model_variants_per_base), nor evict an engine under running requests. A load that finds no room
+    among idle models is refused (model_capacity, retryable)."""
 
     def __init__(self, settings: Settings, backend: str):
         self.settings = settings
@@ -52,6 +55,7 @@ class ModelCache:
         with loading:
             if loaded := self._cached(key):
                 return loaded
+            self._make_room(key, 0)  # the variant bound before loading anything
             try:
                 model, tokenizer = load_model_and_tokenizer(key.base, self.settings, self.backend,
                                                             attn_implementation=key.attn_implementation or "sdpa",
@@ -60,10 +64,7 @@ class ModelCache:
             except ModelLoadError as exc:
                 raise RequestFailed(exc.code, str(exc)) from None
             nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-            with self._lock:
-                while self._models and sum(m.nbytes for m in self._models.values()) + nbytes > \
-                        self.settings.model_cache_bytes:
-                    self._models.popitem(last=False)[1].engine.close()
+            self._make_room(key, nbytes)
             context = getattr(model.config, "max_position_embeddings", None)
             engine = Engine(model, tokenizer, device=devices.torch_device(self.backend),
                             memory_budget_bytes=self.settings.engine_memory_bytes,
@@ -76,6 +77,27 @@ class ModelCache:
                 self._models[key] = loaded
             freeze_heap()
             return loaded
+
+    def _make_room(self, key: ModelKey, nbytes: int) -> None:
+        """Evict idle models, least recently used first, until `key` (of nbytes) fits the variant bound and the
+        byte budget; raises RequestFailed when only models serving requests stand in the way."""
+        limit = self.settings.model_variants_per_base
+        with self._lock:
+            while True:
+                variants = [k for k in self._models if k.base == key.base]
+                over_variants = len(variants) >= limit
+                over_bytes = sum(m.nbytes for m in self._models.values()) + nbytes > self.settings.model_cache_bytes
+                if not over_variants and not (over_bytes and self._models):
+                    return
+                candidates = variants if over_variants else list(self._models)
+                idle = [k for k in candidates if self._models[k].running == 0]
+                if not idle:
+                    why = (f"'{key.base}' is loaded on this worker in {len(variants)} ways already (attention, "
+                           f"quantization, kernels; at most {limit} at once), each serving requests"
+                           if over_variants else "the worker's model memory is taken by models serving requests")
+                    raise RequestFailed("model_capacity", f"Cannot load '{key.base}' this way now: {why}. Retry "
+                                                          "later, or leave out the per-request model options.")
+                self._models.pop(idle[0]).engine.close()
 
     @staticmethod
     def attach_adapter(loaded: LoadedModel, adapter: AdapterRef) -> None:
@@ -98,6 +120,14 @@ class ModelCache:
             engine.update_model(model)
             engine.warmup()  # update_model dropped the captured graphs
             loaded.adapters.add(name)
+
+    def started(self, loaded: LoadedModel) -> None:
+        with self._lock:
+            loaded.running += 1
+
+    def finished(self, loaded: LoadedModel) -> None:
+        with self._lock:
+            loaded.running -= 1
 
     def close(self) -> None:
         with self._lock:
@@ -146,7 +176,13 @@ def submit(cache: ModelCache, submission: Submission,
             request.grammar = loaded.engine.grammars().compile(params.grammar)
         except GrammarError as exc:
             raise RequestFailed("invalid_value", str(exc), exc.param) from None
-    future = loaded.engine.submit(request, on_delta)
+    cache.started(loaded)
+    try:
+        future = loaded.engine.submit(request, on_delta)
+    except BaseException:
+        cache.finished(loaded)
+        raise
+    future.add_done_callback(lambda _: cache.finished(loaded))
     fingerprint = served_by(submission.model, loaded.engine)
     # Runs before the caller's own callbacks (added later), so every result leaves with it.
     future.add_done_callback(lambda done: done.exception() or setattr(done.result(), "served_by", fingerprint))
