@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 from conftest import KEY_A
 from test_fine_tune_e2e import training_jsonl
@@ -29,6 +30,12 @@ def test_fine_tune_follow_and_download_adapter(api_url, tmp_path):
     assert "step 4/4" in out and "loss " in out  # the progress bar's last state
     job_id = out.split("started ")[1].split()[0]
     assert f"{job_id} succeeded: ft:demo-tiny:cli:{job_id}" in out
+    if os.environ.get("XPUJOBS_UI_SCREENSHOTS"):  # the README's example of the command's output
+        transcript = f"$ xpu-jobs fine-tune create --model demo-tiny --training-file {data.name} --epochs 2 " \
+                     f"--batch-size 4 --suffix cli --follow\n{out}"
+        target = Path(os.environ["XPUJOBS_UI_SCREENSHOTS"])
+        target.mkdir(parents=True, exist_ok=True)
+        (target / "cli.txt").write_text(transcript)
 
     listed = json.loads(xpu_jobs(api_url, "fine-tune", "list", "--json").stdout)
     assert [j["status"] for j in listed["data"] if j["id"] == job_id] == ["succeeded"]
