@@ -2,6 +2,7 @@
 synchronous."""
 
 import asyncio
+import json
 import time
 
 import redis.asyncio as aioredis
@@ -22,10 +23,29 @@ STATUS_OF = {"invalid_prompt": 400, "invalid_value": 400, "unsupported_attention
              "model_not_found": 404, "model_capacity": 503}
 
 
+# No tokenizer puts more than this many UTF-8 bytes in one token on average, so a prompt over
+# engine_max_seq_len x this many bytes cannot fit and is refused here, without tokenizing it on a worker.
+MAX_BYTES_PER_TOKEN = 64
+
+
+def _refuse_what_cannot_fit(kind: str, request: dict, settings: Settings) -> None:
+    prompt = request.get("prompt", request.get("messages"))
+    param = "prompt" if "prompt" in request else ("input" if kind == "response" else "messages")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        size, unit, limit = len(prompt), "tokens", settings.engine_max_seq_len
+    else:
+        size, unit = len(json.dumps(prompt, ensure_ascii=False).encode("utf-8", "replace")), "bytes"
+        limit = settings.engine_max_seq_len * MAX_BYTES_PER_TOKEN
+    if size > limit:
+        raise APIError(400, f"The input ({size} {unit}) cannot fit the context of at most "
+                            f"{settings.engine_max_seq_len} tokens.", param=param, code="context_length_exceeded")
+
+
 def submit(kind: str, tenant: str, request: dict, *, settings: Settings, store: RecordStore, celery: Celery,
            extra: dict | None = None) -> dict:
     """Create a queued record of an inference request and publish it. Nothing is created on a 4xx."""
     base, ref = resolve(request["model"], tenant, settings, store)
+    _refuse_what_cannot_fit(kind, request, settings)
     try:
         queue = choose_queue(live_workers(store.redis), inference_requirement(settings.models_root, base))
     except NoCapableWorker as exc:
@@ -62,9 +82,12 @@ async def wait_for(record_id: str, kind: str, *, store: RecordStore, client: aio
     raise APIError(504, f"The request did not finish within {timeout:.0f} s and was cancelled.", code="timeout")
 
 
-def raise_unless_completed(record: dict) -> None:
-    """A synchronous request that did not complete: the caller gets its error."""
+def raise_unless_completed(record: dict, store: RecordStore, kind: str) -> None:
+    """A synchronous request that did not complete: the caller gets its error. One refused with a 4xx (its input
+    was wrong) leaves no record behind, as if it had been refused before it was queued."""
     if record["status"] != "completed":
         error = record.get("error") or {"message": f"The request ended {record['status']}.", "code": None}
-        raise APIError(STATUS_OF.get(error.get("code"), 500), error["message"], param=error.get("param"),
-                       code=error.get("code"))
+        status = STATUS_OF.get(error.get("code"), 500)
+        if status < 500:
+            store.delete(kind, record["id"], record["tenant"])
+        raise APIError(status, error["message"], param=error.get("param"), code=error.get("code"))

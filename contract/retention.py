@@ -22,6 +22,7 @@ FINISHED = {
     "batch": {"completed", "failed", "expired", "cancelled"},
     "chunk": {"completed", "failed", "cancelled"},
     "chat": {"completed", "failed", "cancelled", "incomplete"},
+    "completion": {"completed", "failed", "cancelled", "incomplete"},
     "response": {"completed", "failed", "cancelled", "incomplete"},
 }
 # Kinds whose artifacts (under jobs/<id>) go with the record.
@@ -31,7 +32,8 @@ BATCH = 1000
 
 
 def retention_of(kind: str, settings: Settings) -> int:
-    return settings.inference_retention_seconds if kind in ("chat", "response") else settings.retention_seconds
+    return settings.inference_retention_seconds if kind in ("chat", "completion", "response") \
+        else settings.retention_seconds
 
 
 def expire_file_at(store: RecordStore, tenant: str, file_id: str, expires_at: int) -> None:

@@ -187,3 +187,25 @@ def test_a_tenant_sees_only_its_own_part_of_the_workers(api_url, client_a, redis
         assert httpx.get(api_url + "/v1/files", headers={"Authorization": f"Bearer {KEY_ADMIN}"}).status_code == 401
     finally:
         unregister(redis_client, "spy@host")
+
+
+def test_an_input_that_cannot_fit_the_context_is_refused_before_queueing(http_a, redis_client):
+    """Far over engine_max_seq_len x 64 bytes: refused in the API, no record, nothing tokenized."""
+    before = redis_client.zcard("idx:chat:tenant-a"), redis_client.zcard("idx:response:tenant-a")
+    huge = "word " * 60_000  # 300 KB, under the JSON body limit
+    reply = http_a.post("/v1/chat/completions", json={"model": "demo-tiny", "max_tokens": 2,
+                                                      "messages": [{"role": "user", "content": huge}]})
+    error = error_of(reply, 400)
+    assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
+    reply = http_a.post("/v1/responses", json={"model": "demo-tiny", "input": huge})
+    assert error_of(reply, 400)["param"] == "input"
+    assert (redis_client.zcard("idx:chat:tenant-a"), redis_client.zcard("idx:response:tenant-a")) == before
+
+
+def test_a_chat_the_worker_refuses_leaves_no_record(client_a, redis_client):
+    before = set(redis_client.zrange("idx:chat:tenant-a", 0, -1))
+    with pytest.raises(openai.BadRequestError) as exc:
+        client_a.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "word " * 2000}],
+                                         max_tokens=8)
+    assert "context" in exc.value.message
+    assert set(redis_client.zrange("idx:chat:tenant-a", 0, -1)) == before

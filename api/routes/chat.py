@@ -75,5 +75,5 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                                        chunks(body, record, store))
     record = await wait_for(record["id"], "chat", store=store, client=request.app.state.aioredis,
                             timeout=settings.request_timeout_seconds)
-    raise_unless_completed(record)
+    raise_unless_completed(record, store, "chat")
     return chat_completion(record["id"], record["created_at"], record["model"], record["result"])

@@ -69,6 +69,6 @@ async def create_completion(body: CompletionRequest, request: Request, tenant: T
                                        chunks(body, record, store))
     record = await wait_for(record["id"], "completion", store=store, client=request.app.state.aioredis,
                             timeout=settings.request_timeout_seconds)
-    raise_unless_completed(record)
+    raise_unless_completed(record, store, "completion")
     result = echoed(body, record["result"]) if body.echo else record["result"]
     return completion(record["id"], record["created_at"], record["model"], result)
