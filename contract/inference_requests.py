@@ -151,7 +151,8 @@ class Sampling(BaseModel):
 
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = None
+    # int64, as torch's generators take it (with room for seed + choice index).
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     # None: the engine's own fused kernels (its native path where the architecture allows). A value asks for the
     # Hugging Face path with that attention, as loading a model with it would.
     attn_implementation: Attention | None = None

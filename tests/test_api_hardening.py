@@ -209,3 +209,17 @@ def test_a_chat_the_worker_refuses_leaves_no_record(client_a, redis_client):
                                          max_tokens=8)
     assert "context" in exc.value.message
     assert set(redis_client.zrange("idx:chat:tenant-a", 0, -1)) == before
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/responses", {"model": "demo-tiny", "input": "Hi", "background": "yes"}, "background"),
+    ("/v1/responses", {"model": "demo-tiny", "input": "Hi", "max_output_tokens": True}, "max_output_tokens"),
+    ("/v1/chat/completions", {"model": "demo-tiny", "messages": [{"role": "user", "content": "Hi"}],
+                              "seed": 10**30}, "seed"),
+    ("/v1/chat/completions", {"model": "demo-tiny", "messages": [{"role": "user", "content": "Hi"}],
+                              "temperature": "0.5"}, "temperature"),
+])
+def test_inference_values_are_not_coerced(http_a, redis_client, path, body, param):
+    before = redis_client.zcard("idx:chat:tenant-a"), redis_client.zcard("idx:response:tenant-a")
+    assert error_of(http_a.post(path, json=body), 400)["param"] == param
+    assert (redis_client.zcard("idx:chat:tenant-a"), redis_client.zcard("idx:response:tenant-a")) == before

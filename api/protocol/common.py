@@ -12,7 +12,8 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 # Most choices one request may ask for (chat `n`, completions `n` x prompts): each is a sequence in the engine.
 MAX_CHOICES = 8
-STRICT = ConfigDict(extra="forbid")
+# Unknown fields refused, and values of the wrong JSON type too (not coerced: `"yes"` is no boolean, `true` no 1).
+STRICT = ConfigDict(extra="forbid", strict=True)
 
 
 def refused(why: str, *neutral: Any) -> Any:
