@@ -83,11 +83,12 @@ async def wait_for(record_id: str, kind: str, *, store: RecordStore, client: aio
 
 
 def raise_unless_completed(record: dict, store: RecordStore, kind: str) -> None:
-    """A synchronous request that did not complete: the caller gets its error. One refused with a 4xx (its input
-    was wrong) leaves no record behind, as if it had been refused before it was queued."""
+    """A synchronous request that did not complete: the caller gets its error. A chat completion or completion
+    refused with a 4xx (its input was wrong) leaves no record behind, as if refused before it was queued (a
+    response stays: it is an object the client can retrieve, with its error)."""
     if record["status"] != "completed":
         error = record.get("error") or {"message": f"The request ended {record['status']}.", "code": None}
         status = STATUS_OF.get(error.get("code"), 500)
-        if status < 500:
+        if status < 500 and kind in ("chat", "completion"):
             store.delete(kind, record["id"], record["tenant"])
         raise APIError(status, error["message"], param=error.get("param"), code=error.get("code"))

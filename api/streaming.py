@@ -67,7 +67,7 @@ async def respond(request: Request, kind: str, record: dict, store: RecordStore,
         raise APIError(504, f"The request produced nothing within {timeout:.0f} s and was cancelled.",
                        code="timeout") from None
     if "end" in first[0]:
-        raise_unless_completed(await asyncio.to_thread(store.get, kind, record_id))
+        raise_unless_completed(await asyncio.to_thread(store.get, kind, record_id), store, kind)
 
     async def batches() -> Batches:
         yield texts(first)
