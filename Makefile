@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml worker/hardware.py
 	# torch first, pinned, from the wheel index of the host's backend (PyPI's plain build is the CUDA one).
 	$(VENV)/bin/pip install -q "torch==2.13.0" $$($(PYTHON) worker/hardware.py --pip-args $(TORCH_BACKEND))
 	$(VENV)/bin/pip install -q -e ".[$(EXTRAS)]"
+	# the grammar extra without its dependencies (pyproject.toml says why)
+	$(VENV)/bin/pip install -q --no-deps $$($(VENV)/bin/python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['grammar'])")
 	$(VENV)/bin/python worker/hardware.py --verify $(TORCH_BACKEND)
 	touch $(STAMP)
 
