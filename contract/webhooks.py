@@ -13,6 +13,7 @@ import time
 import redis
 
 from contract.records import RecordStore, new_id
+from contract.settings import Settings
 
 OUTBOX = "webhooks:outbox"
 GROUP = "dispatchers"
@@ -60,10 +61,11 @@ def create_endpoint(store: RecordStore, tenant: str, url: str, event_types: list
     return record
 
 
-def endpoints_for(store: RecordStore, tenant: str, configured: dict[str, list[dict]]) -> list[dict]:
+def endpoints_for(store: RecordStore, tenant: str, settings: Settings) -> list[dict]:
     """The tenant's endpoints: those in settings, then those created through the API."""
     records, _ = store.page("webhook", tenant, None, 10**6)
-    return [{"id": f"settings-{i}", **e} for i, e in enumerate(configured.get(tenant, []))] + records
+    configured = [{"id": f"settings-{i}", **e.model_dump()} for i, e in enumerate(settings.webhooks.get(tenant, []))]
+    return configured + records
 
 
 def wants(endpoint: dict, event_type: str) -> bool:

@@ -92,3 +92,21 @@ def test_webhooks_are_signed_retried_and_per_tenant(client_a, http_a, api_url, r
     finally:
         assert http_a.delete(f"/v1/webhooks/{endpoint['id']}").json()["deleted"] is True
     assert endpoint["id"] not in [e["id"] for e in http_a.get("/v1/webhooks").json()["data"]]
+
+
+def test_endpoints_from_settings_and_from_the_api(redis_client):
+    from contract import webhooks
+    from contract.records import RecordStore
+    from contract.settings import Settings
+
+    settings = Settings(_env_file=None, webhooks={"tenant-s": [{"url": "https://hooks.example/s",
+                                                                "secret": "whsec_" + "B" * 32,
+                                                                "event_types": ["batch.failed"]}]})
+    store = RecordStore(redis_client)
+    created = webhooks.create_endpoint(store, "tenant-s", "https://hooks.example/api", None)
+    endpoints = webhooks.endpoints_for(store, "tenant-s", settings)
+    assert [e["url"] for e in endpoints] == ["https://hooks.example/s", "https://hooks.example/api"]
+    assert not webhooks.wants(endpoints[0], "batch.completed") and webhooks.wants(endpoints[0], "batch.failed")
+    assert webhooks.wants(endpoints[1], "fine_tuning.job.succeeded")  # no filter: every ending event
+    assert webhooks.endpoints_for(store, "tenant-t", settings) == []
+    store.delete("webhook", created["id"], "tenant-s")

@@ -77,8 +77,7 @@ class WebhookDispatcher:
     def _fan_out(self, entry_id: str, fields: dict) -> None:
         event = json.loads(fields["event"])
         record = self.store.get(fields["kind"], event["data"]["id"])
-        configured = {t: [e.model_dump() for e in endpoints] for t, endpoints in self.settings.webhooks.items()}
-        endpoints = webhooks.endpoints_for(self.store, record["tenant"], configured) if record else []
+        endpoints = webhooks.endpoints_for(self.store, record["tenant"], self.settings) if record else []
         pipe = self.redis.pipeline()  # the deliveries and the ack together: an event is never half fanned out
         for endpoint in endpoints:
             if webhooks.wants(endpoint, event["type"]):
