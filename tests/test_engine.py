@@ -172,7 +172,9 @@ def test_update_model_wraps_base_in_peft(tiny_dir, tokenizer, adapter_dirs, nati
 
 def test_sampling_seed_reproduces_whatever_the_batch(model, tokenizer):
     ps = prompts(4, seed=4)
-    params = dict(max_new_tokens=16, temperature=0.9, top_p=0.9)
+    # demo-tiny's output gain makes its base model near certain at temperature 1 (p ~ 0.998): flatten it so that
+    # different seeds can draw different tokens
+    params = dict(max_new_tokens=16, temperature=4.0, top_p=0.9)
     with Engine(model, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=8, max_seq_len=128) as eng:
         alone = eng.generate([GenerationRequest("a", ps[0], SamplingParams(seed=7, **params))])[0]
         mixed = eng.generate([GenerationRequest(str(i), p, SamplingParams(seed=7 if i == 0 else i, **params))
