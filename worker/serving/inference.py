@@ -270,7 +270,11 @@ def run_request(node: Node, kind: str, record_id: str) -> None:
     timings = {**(record.get("timings") or {}), "claimed": time.time()}
     # A streaming request's output goes to its Redis stream as the engine produces it (serving/output_stream.py).
     outputs = outputs_for(node) if record["request"].get("stream") else None
-    on_delta = functools.partial(outputs.delta, record_id) if outputs else None
+    on_delta = None
+    if outputs:
+        def on_delta(choice: int, delta: GenerationDelta) -> None:
+            timings.setdefault("first_output", time.time())
+            outputs.delta(record_id, choice, delta)
     try:
         started = start(node, record_id, record["tenant"], record["request"], on_delta)
         timings["submitted"] = time.time()
