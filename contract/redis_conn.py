@@ -41,8 +41,11 @@ def durable_client(settings: Settings) -> redis.Redis:
 
 
 def async_client(settings: Settings) -> aioredis.Redis:
+    # The API's waiters (a synchronous chat holds a connection for each short BLPOP) may queue for a connection
+    # as long as their request may last: a burst is slower, never refused.
     pool = aioredis.BlockingConnectionPool.from_url(
         settings.redis_url, decode_responses=True, max_connections=settings.redis_max_connections,
-        timeout=settings.redis_pool_timeout_seconds, health_check_interval=HEALTH_CHECK_SECONDS,
+        timeout=max(settings.redis_pool_timeout_seconds, settings.request_timeout_seconds),
+        health_check_interval=HEALTH_CHECK_SECONDS,
         socket_connect_timeout=5, socket_keepalive=True, retry=AsyncRetry(_backoff(), RETRIES))
     return aioredis.Redis(connection_pool=pool)

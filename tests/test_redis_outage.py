@@ -85,6 +85,9 @@ def test_redis_away_is_a_503_and_the_api_recovers(outage_stack):
 
     restart_redis()
     _wait(lambda: httpx.get(url + "/health", timeout=60).status_code == 200, 60, "health after the restart")
+    # The worker registers again on its own (its registry entry lapsed with the outage).
+    _wait(lambda: httpx.get(url + "/v1/workers", headers=headers, timeout=60).json()["data"], 120,
+          "the worker back in the registry")
     # Every call after the restart succeeds: no stale connection is handed out.
     replies = [chat(url) for _ in range(8)]
     assert [r.status_code for r in replies] == [200] * 8, [r.text for r in replies if r.status_code != 200][:3]
