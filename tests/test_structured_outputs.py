@@ -77,6 +77,23 @@ def test_tool_call_round_trip(client_a):
     assert final.usage.prompt_tokens > first.usage.prompt_tokens + 20
 
 
+def test_streamed_tool_call(client_a):
+    stream = client_a.chat.completions.create(model="demo-tiny", messages=ASK, tools=[WEATHER_TOOL], temperature=0,
+                                              max_tokens=200, tool_choice={"type": "function",
+                                                                           "function": {"name": "get_weather"}},
+                                              stream=True, stream_options={"include_usage": True})
+    calls, finish = {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
+                entry["name"] += call.function.name or ""
+                entry["arguments"] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls" and calls[0]["name"] == "get_weather"
+    assert set(json.loads(calls[0]["arguments"])) == {"city", "unit"}
+
+
 def test_named_tool_in_responses(client_a):
     tool = {"type": "function", **WEATHER_TOOL["function"]}
     response = client_a.responses.create(model="demo-tiny", input="Weather in Oslo?", tools=[tool], temperature=0,
