@@ -91,6 +91,22 @@ def chunk_settled(store: RecordStore, root: Path, batch_id: str) -> None:
         finalize(store, root, batch)
 
 
+def fail_chunk(store: RecordStore, root: Path, chunk: dict, code: str, message: str) -> None:
+    """A chunk given up on (it lost its worker on every attempt): each of its lines goes to the error file, and
+    the chunk counts as settled, so its batch still finalises."""
+    batch = store.get("batch", chunk["batch_id"])
+    tenant, batch_id, index = batch["tenant"], batch["id"], chunk["index"]
+    lines = read_chunk_input(root, tenant, batch_id, index)
+    errors = [json.dumps({"id": new_id("batch_request"), "custom_id": parse_line(line, number, batch["endpoint"])[0],
+                          "response": None, "error": {"code": code, "message": f"line {number}: {message}"}})
+              for number, line in lines]
+    out, err = chunk_files(root, tenant, batch_id, index)
+    write_atomically(out, [])
+    write_atomically(err, errors)
+    store.update("chunk", chunk["id"], {"completed": 0, "failed": len(lines), "input_tokens": 0, "output_tokens": 0})
+    chunk_settled(store, root, batch_id)
+
+
 def finalize(store: RecordStore, root: Path, batch: dict) -> None:
     batch_id, tenant = batch["id"], batch["tenant"]
     cancelling = batch["status"] == "cancelling"

@@ -75,3 +75,33 @@ def test_a_task_fetched_by_a_node_that_died_is_published_again(client_a, redis_c
                     "the reconciler to publish the record again and a node to claim it")
     assert claimed["reserved_by"] in {w["instance"] for w in live_workers(redis_client)}
     assert claimed["published_at"] > int(time.time()) - 60
+
+
+def test_a_chunk_given_up_on_still_ends_its_lines_and_its_batch(client_a, redis_client, stack_env):
+    """A chunk that lost its worker on every attempt (its lines kill the node, say) is failed by the reconciler.
+    Was: its batch stayed in_progress for ever, since only a chunk task settles a chunk. Here: a batch of one
+    chunk, in progress, whose last attempt's lease has lapsed."""
+    from pathlib import Path
+
+    from contract import batches
+
+    store, root = RecordStore(redis_client), Path(stack_env["XPUJOBS_ARTIFACT_ROOT"])
+    batch_id = new_id("batch")
+    lines = [_line(f"lost-{i}", "demo-tiny", [{"role": "user", "content": "Hi."}]) for i in range(3)]
+    batches.write_chunk_input(root, "tenant-a", batch_id, 0, list(enumerate(lines, start=1)))
+    store.create("batch", {"id": batch_id, "tenant": "tenant-a", "status": "in_progress", "object": "batch",
+                           "endpoint": "/v1/chat/completions", "input_file_id": "file-x", "completion_window": "24h",
+                           "created_at": int(time.time()), "expires_at": int(time.time()) + 3600, "total": 3,
+                           "n_chunks": 1, "chunks_settled": 0, "metadata": {}})
+    chunk = batches.chunk_id(batch_id, 0)
+    store.create("chunk", {"id": chunk, "tenant": "tenant-a", "batch_id": batch_id, "index": 0,
+                           "status": "in_progress", "queue": backend_queue(TEST_BACKEND), "attempts": 3,
+                           "created_at": int(time.time())})
+    store.track("chunk", chunk)
+    done = _wait(lambda: (b := store.get("batch", batch_id))["status"] == "completed" and b, 60,
+                 "the reconciler to fail the chunk and its batch to finalise")
+    assert store.get("chunk", chunk)["status"] == "failed"
+    assert done["request_counts_final"] == {"total": 3, "completed": 0, "failed": 3}
+    errors = [json.loads(line) for line in client_a.files.content(done["error_file_id"]).text.splitlines()]
+    assert [e["custom_id"] for e in errors] == ["lost-0", "lost-1", "lost-2"]
+    assert {e["error"]["code"] for e in errors} == {"worker_lost"}

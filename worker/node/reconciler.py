@@ -13,7 +13,7 @@ import time
 
 from celery import Celery
 
-from contract import events
+from contract import batches, events
 from contract.queues import publish
 from contract.records import RecordStore, now
 from contract.redis_conn import sync_client
@@ -110,6 +110,8 @@ class Reconciler:
                 self.store.untrack(kind, record_id)
                 events.emit(self.redis, record_id, message, level="error", data={"status": "failed"})
                 events.signal_done(self.redis, record_id)
+                if kind == "chunk":  # its lines end in the error file, and the batch still finalises
+                    batches.fail_chunk(self.store, self.settings.artifact_root, record, "worker_lost", message)
             return
         try:
             need = Requirement(memory_bytes=0, bf16=bool(record.get("bf16")))
