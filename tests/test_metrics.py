@@ -113,6 +113,16 @@ def test_a_batch_moves_worker_and_engine_counters(api_url, client_a, http_a):
     client_a.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     assert chat_latency() == chats + 1
 
+    def first_tokens():
+        return sum(value(scrape(e), "xpujobs_worker_time_to_first_token_seconds_count", kind="chat")
+                   for e in endpoints)
+
+    streamed = first_tokens()
+    chunks = list(client_a.chat.completions.create(model="demo-tiny", max_tokens=3, stream=True,
+                                                   messages=[{"role": "user", "content": "hi"}]))
+    assert chunks
+    _wait(lambda: first_tokens() == streamed + 1, 30, "the streamed request's time to first token")
+
 
 def test_the_metrics_key_guards_the_endpoint(redis_url, stack_dir):
     from fastapi.testclient import TestClient
