@@ -265,6 +265,11 @@ def run_request(node: Node, kind: str, record_id: str) -> None:
     # Attempts count here too: a request that kills its worker (out of memory, say) must not bounce forever.
     if record is None or not node.claim(kind, record_id, {"status": "in_progress", "node": node.name,
                                                           "attempts": int(record.get("attempts") or 0) + 1}):
+        # Ended before it started (a background response cancelled while queued): a stream waiting on it ends too.
+        # Not one that another delivery is running: that one ends its stream itself.
+        current = store.get(kind, record_id) if record is not None and record["request"].get("stream") else None
+        if current is not None and current["status"] in ("completed", "failed", "cancelled"):
+            outputs_for(node).end(record_id)
         return
     # Wall-clock stamps (the API wrote "received"), so a slow request shows where its time went.
     timings = {**(record.get("timings") or {}), "claimed": time.time()}

@@ -70,5 +70,8 @@ class Intake:
         except Exception as exc:  # run_request records its own failures; this is Redis failing under it
             print(f"xpu-jobs intake: {item}: {exc!r}", flush=True)
         finally:
-            self.redis.lrem(self.taken, 1, item)
             self.room.release()
+            try:
+                self.redis.lrem(self.taken, 1, item)
+            except Exception as exc:  # left there, a restart of this node pulls it again and finds it claimed
+                print(f"xpu-jobs intake: {item}: {exc!r}", flush=True)
