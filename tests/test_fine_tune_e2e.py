@@ -311,3 +311,13 @@ def test_dpo_moves_the_preferred_answer_above_the_other(client_a, http_a, stack_
     zipfile.ZipFile(io.BytesIO(archive)).extractall(tmp_path / "dpo")
     tuned = PeftModel.from_pretrained(base, tmp_path / "dpo")
     assert _answer_logprob(tuned, tokenizer, prompt, preferred) > _answer_logprob(tuned, tokenizer, prompt, other)
+
+
+def test_gradient_checkpointing_is_a_job_option(client_a, training_file):
+    job = client_a.fine_tuning.jobs.create(model="demo-tiny", training_file=training_file.id,
+                                           extra_body={"gradient_checkpointing": True, "max_steps": 2})
+    job = wait_for_job(client_a, job.id)
+    assert job.status == "succeeded", job.error
+    assert job.gradient_checkpointing is True
+    messages = [e.message for e in client_a.fine_tuning.jobs.list_events(job.id, limit=100)]
+    assert any(m.startswith("Gradient checkpointing is on") for m in messages)

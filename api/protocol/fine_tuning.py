@@ -58,3 +58,5 @@ class FineTuningJobCreate(StrictModel):
     use_kernels: bool = Field(False, description="swap in the Hub's kernels for supported layers")
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
     checkpoint_steps: int | None = Field(None, ge=1, description="save a checkpoint every N steps")
+    gradient_checkpointing: bool | None = Field(None, description="recompute activations in the backward pass to "
+                                                                  "save memory; None: on for GPU devices")

@@ -25,7 +25,8 @@ TERMINAL = {"succeeded", "failed", "cancelled"}
 PUBLIC_FIELDS = ("id", "created_at", "finished_at", "estimated_finish", "model", "fine_tuned_model",
                  "hyperparameters", "method", "seed", "metadata", "training_file", "validation_file",
                  "result_files", "trained_tokens", "status", "error", "suffix", "lora", "quantization",
-                 "bf16", "attn_implementation", "use_kernels", "max_steps", "checkpoint_steps", "attempts")
+                 "bf16", "attn_implementation", "use_kernels", "max_steps", "checkpoint_steps", "attempts",
+                 "gradient_checkpointing")
 
 
 def to_openai(record: dict) -> dict:
@@ -139,6 +140,7 @@ def create_job(body: FineTuningJobCreate, tenant: TenantDep, settings: SettingsD
         "attn_implementation": body.attn_implementation, "use_kernels": body.use_kernels,
         "max_steps": body.max_steps,
         "checkpoint_steps": body.checkpoint_steps or settings.checkpoint_steps,
+        "gradient_checkpointing": body.gradient_checkpointing,
         "fine_tuned_model": None, "finished_at": None, "estimated_finish": None, "trained_tokens": None,
         "result_files": [], "error": None, "queue": queue, "attempts": 0, "checkpoints": [],
     }
@@ -234,7 +236,7 @@ def resume_job(job_id: str, tenant: TenantDep, settings: SettingsDep, store: Sto
     except NoCapableWorker as exc:
         raise APIError(503, str(exc), code="no_capable_worker") from None
     events.clear_pause(redis, job_id)
-    if store.transition("ftjob", job_id, ["paused"], {"status": "queued", "queue": queue}):
+    if store.transition("ftjob", job_id, ["paused"], {"status": "queued", "queue": queue, "reserved_by": None}):
         store.track("ftjob", job_id)
         events.emit(redis, job_id, "The job was resumed and queued", data={"status": "queued"})
         publish(celery, store, "ftjob", job_id, queue)

@@ -299,8 +299,10 @@ def train(job: dict, store: RecordStore, settings: Settings, backend: str) -> di
             for_training=True)
     except ModelLoadError as exc:
         raise JobFailed(exc.code, str(exc)) from None
+    # Gradient checkpointing trades compute for activation memory: on by default where memory is the limit (GPUs).
+    checkpointing = backend != "cpu" if job.get("gradient_checkpointing") is None else job["gradient_checkpointing"]
     if job.get("quantization", "none") != "none":
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing)
     lora = job["lora"]
     if job.get("init_adapter"):  # fine-tuning an ft: model: its adapter trains on
         model = PeftModel.from_pretrained(model, str(_init_adapter_path(job, settings)), is_trainable=True)
@@ -326,7 +328,11 @@ def train(job: dict, store: RecordStore, settings: Settings, backend: str) -> di
         ddp_backend=devices.DISTRIBUTED_BACKEND[backend] if int(os.environ.get("WORLD_SIZE", 1)) > 1 else None,
         disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0, save_only_model=False,
         include_num_input_tokens_seen="non_padding",  # tokens/s in the metrics events
+        gradient_checkpointing=checkpointing, gradient_checkpointing_kwargs={"use_reentrant": False},
     )
+    if checkpointing and int(os.environ.get("RANK", 0)) == 0:
+        events.emit(store.redis, job_id, "Gradient checkpointing is on (activations recomputed in the backward pass)",
+                    data={"gradient_checkpointing": True})
     callback = make_callback(job, store, settings)
     if dpo:
         # TRL's DPOTrainer; with a PEFT model and no reference model, the reference is the model with its
