@@ -79,6 +79,8 @@ def test_multipart_uploads_and_jsonl_content(http_a, content, purpose, status):
      "expires_after"),
     ({"files": {"file": ("f.jsonl", GOOD)}, "data": {"purpose": "batch", "expires_after[anchor]": "now",
                                                      "expires_after[seconds]": "3600"}}, "expires_after.anchor"),
+    ({"files": {"file": ("f.jsonl", GOOD)}, "data": {"purpose": "batch", "expires_in": "3600"}}, "expires_in"),
+    ({"files": {"file": ("f.jsonl", GOOD), "extra": ("g.jsonl", GOOD)}, "data": {"purpose": "batch"}}, "extra"),
 ])
 def test_malformed_multipart_is_a_400_naming_the_field(http_a, fields, param):
     reply = http_a.post("/v1/files", **fields)

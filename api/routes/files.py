@@ -3,7 +3,7 @@
 import os
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Form, Query, UploadFile
+from fastapi import APIRouter, Depends, Form, Query, Request, UploadFile
 from fastapi.responses import FileResponse
 
 from api.deps import LimiterDep, SettingsDep, StoreDep, TenantDep
@@ -34,7 +34,19 @@ def get_file(store: RecordStore, file_id: str, tenant: str, param: str | None = 
     return record
 
 
-@router.post("")
+FORM_FIELDS = {"file", "purpose", "expires_after[anchor]", "expires_after[seconds]"}
+
+
+async def _known_form_fields(request: Request) -> None:
+    """A multipart field the upload does not define is refused, as unknown JSON fields are (the form is parsed
+    once: Starlette keeps it for the route's own parameters)."""
+    unknown = sorted(set((await request.form()).keys()) - FORM_FIELDS)
+    if unknown:
+        raise APIError(400, f"Unrecognized request argument supplied: {', '.join(unknown)}", param=unknown[0],
+                       code="unknown_parameter")
+
+
+@router.post("", dependencies=[Depends(_known_form_fields)])
 def upload_file(file: UploadFile, purpose: Annotated[str, Form()], tenant: TenantDep, settings: SettingsDep,
                 store: StoreDep, limiter: LimiterDep,
                 anchor: Annotated[Literal["created_at"] | None, Form(alias="expires_after[anchor]")] = None,
