@@ -8,11 +8,24 @@ class mixes in its endpoint's set; `options()` gives their part of the normal fo
     logit_bias: [[token id, bias], ...] (pairs: the normal form travels as JSON)
 """
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StringConstraints,
+    Tag,
+    ValidationInfo,
+    field_validator,
+)
 
 MAX_TOP_LOGPROBS = 20
+# A schema is compiled into a grammar on a worker: its size is bounded so none can tie one up for long.
+MAX_SCHEMA_BYTES = 64 * 1024
 FunctionName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 LogitBias = dict[Annotated[str, StringConstraints(pattern=r"^\d{1,9}$")], Annotated[float, Field(ge=-100, le=100)]]
@@ -23,10 +36,19 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _bounded(schema: dict | None) -> dict | None:
+    if schema is not None and len(json.dumps(schema)) > MAX_SCHEMA_BYTES:
+        raise ValueError(f"a JSON schema may be at most {MAX_SCHEMA_BYTES} bytes")
+    return schema
+
+
+Schema = Annotated[dict[str, Any] | None, AfterValidator(_bounded)]
+
+
 class JSONSchemaSpec(Strict):
     name: Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    schema_: Schema = Field(None, alias="schema")
     strict: bool | None = False
 
 
@@ -48,6 +70,22 @@ class ResponsesJSONSchemaFormat(JSONSchemaSpec):
     type: Literal["json_schema"]
 
 
+def _format_kind(fmt) -> str | None:
+    kind = fmt.get("type") if isinstance(fmt, dict) else getattr(fmt, "type", None)
+    return {"text": "TextFormat", "json_object": "JSONObjectFormat", "json_schema": "JSONSchemaFormat"}.get(kind)
+
+
+_FORMAT_KIND = Discriminator(_format_kind, custom_error_type="invalid_value",
+                             custom_error_message="type must be 'text', 'json_object' or 'json_schema'")
+# Validated as the kind its "type" names; the tags are class names, which error locations leave out of `param`.
+ChatFormat = Annotated[Annotated[TextFormat, Tag("TextFormat")] | Annotated[JSONObjectFormat, Tag("JSONObjectFormat")]
+                       | Annotated[JSONSchemaFormat, Tag("JSONSchemaFormat")], _FORMAT_KIND]
+ResponsesFormat = Annotated[Annotated[TextFormat, Tag("TextFormat")]
+                            | Annotated[JSONObjectFormat, Tag("JSONObjectFormat")]
+                            | Annotated[ResponsesJSONSchemaFormat, Tag("JSONSchemaFormat")],
+                            _FORMAT_KIND]
+
+
 def _format(fmt) -> dict | None:
     if fmt is None or fmt.type == "text":
         return None
@@ -60,7 +98,7 @@ def _format(fmt) -> dict | None:
 class FunctionSpec(Strict):
     name: FunctionName
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: Schema = None
     strict: bool | None = False
 
 
@@ -122,7 +160,7 @@ class _Penalties(BaseModel):
 
 
 class ChatOptions(_Penalties):
-    response_format: TextFormat | JSONObjectFormat | JSONSchemaFormat | None = Field(None, discriminator="type")
+    response_format: ChatFormat | None = None
     tools: list[ChatTool] | None = None
     unique_tools = field_validator("tools")(_unique)
     tool_choice: Literal["none", "auto", "required"] | ChatToolChoice | None = None
@@ -150,7 +188,7 @@ class ChatOptions(_Penalties):
 
 
 class ResponseText(Strict):
-    format: TextFormat | JSONObjectFormat | ResponsesJSONSchemaFormat | None = Field(None, discriminator="type")
+    format: ResponsesFormat | None = None
 
 
 class ResponseOptions(BaseModel):

@@ -175,7 +175,11 @@ def test_refusals_name_the_param(client_a):
              ({"presence_penalty": 3}, "presence_penalty"),
              ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
                                                                           "schema": {"type": "nonsense"}}}},
-              "response_format")]
+              "response_format"),
+             ({"response_format": {"type": "xml"}}, "response_format"),
+             ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                 "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(5000)}}}}},
+              "response_format.json_schema.schema")]
     for extra, param in cases:
         with pytest.raises(openai.BadRequestError) as exc:
             client_a.chat.completions.create(model="demo-tiny", messages=ASK, max_tokens=2, **extra)
