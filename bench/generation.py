@@ -267,17 +267,12 @@ def release_cb(ctx) -> None:
 
 
 def shipped_engine(model, tokenizer, device: str) -> Engine:
-    """The engine as a worker builds it for a loaded model (worker/serving/inference.py), from the shipped
+    """The engine as a worker builds it for a loaded model (worker/engine/model_cache.py), from the shipped
     settings (no XPUJOBS_* variable, no .env), its graphs captured at load."""
     from contract.settings import Settings
+    from worker.engine.model_cache import build_engine
 
-    s = Settings(_env_file=None)
-    context = getattr(model.config, "max_position_embeddings", None)
-    engine = Engine(model, tokenizer, device=device, memory_budget_bytes=s.engine_memory_bytes,
-                    max_batch_size=s.engine_max_batch_size,
-                    max_seq_len=min(s.engine_max_seq_len, context or 1 << 30))
-    engine.warmup()
-    return engine
+    return build_engine(model, tokenizer, Settings(_env_file=None), device)
 
 
 def close_engine(ctx) -> None:
@@ -428,19 +423,22 @@ def gpu_check(device: str) -> dict:
         except Exception as e:
             out[f"bf16_{prefill}_error"] = f"{type(e).__name__}: {e}"
     try:
-        from worker.engine.triton_kernels import decode_attention
+        from worker.engine.triton_kernels import paged_decode_attention
 
         torch.manual_seed(0)
         q = torch.randn(64, 8, 2, 128, device=device, dtype=torch.bfloat16)
-        kc = torch.randn(80, 8, 700, 128, device=device, dtype=torch.bfloat16)
+        kc = torch.randn(3000, 16, 8, 128, device=device, dtype=torch.bfloat16)  # 3000 blocks of 16 positions
         vc = torch.randn_like(kc)
-        lens = torch.randint(1, 700, (64,), device=device)
-        o = decode_attention(q, kc, vc, lens, 128 ** -0.5).float()
+        lens = torch.randint(1, 700, (64,), device=device, dtype=torch.int32)
+        tables = torch.randperm(3000, device=device)[:64 * 44].view(64, 44).to(torch.int32)  # 44 x 16 >= 700
+        o = paged_decode_attention(q, kc, vc, tables, lens, 128 ** -0.5).float()
         err = 0.0
         for b in range(64):
             L = int(lens[b])
-            s = q[b].float() @ kc[b, :, :L].float().transpose(-1, -2) * 128 ** -0.5
-            r = torch.softmax(s, -1) @ vc[b, :, :L].float()
+            k = kc[tables[b].long()].reshape(-1, 8, 128)[:L].transpose(0, 1).float()
+            v = vc[tables[b].long()].reshape(-1, 8, 128)[:L].transpose(0, 1).float()
+            s = q[b].float() @ k.transpose(-1, -2) * 128 ** -0.5
+            r = torch.softmax(s, -1) @ v
             err = max(err, ((o[b] - r).norm() / r.norm()).item())
         out["triton_kernel_bf16_max_rel_err"] = err
     except Exception as e:

@@ -3,7 +3,7 @@
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -78,8 +78,11 @@ class Settings(BaseSettings):
     # Most ways (attention, quantization, kernels: per-request options) one base is loaded in at once on a worker.
     # A request for another way evicts the least recently used idle one; while every one is serving, it is refused.
     model_variants_per_base: int = 2
-    # Device memory one loaded model's generation engine may take for its KV cache and workspace.
-    engine_memory_bytes: int = 4 * 1024**3
+    # The share of device memory free after a model's weights are loaded that its generation engine takes for its
+    # paged KV cache and workspace (the rest covers fragmentation and what else runs on the device).
+    engine_memory_fraction: float = Field(0.85, gt=0.0, le=1.0)
+    # A byte count instead of the fraction; unset on cpu, where no device memory is there to size from: 1 GiB.
+    engine_memory_bytes: int | None = None
     # Most requests one engine decodes together.
     engine_max_batch_size: int = 256
     # Longest sequence (prompt + output) the engine's cache holds per request (capped by the model's context).

@@ -103,6 +103,67 @@ def test_greedy_matches_generate(model, tokenizer, native, slots, prefill_tokens
         assert r.text == tokenizer.decode(r.output_ids, skip_special_tokens=True)
 
 
+def small_cache_budget(model, tokenizer, blocks: int, **kw) -> int:
+    """A budget whose cache holds `blocks` blocks (the workspace estimate measured on an engine like it)."""
+    with Engine(model, tokenizer, device="cpu", memory_budget_bytes=64 * MB, **kw) as probe:
+        ws, per_block = probe.stats["workspace_estimate_bytes"], probe.kv_bytes_per_token * probe.block_size
+    return ws + (blocks + 1) * per_block + per_block // 2
+
+
+def test_preempted_requests_resume_with_the_same_tokens(model, tokenizer):
+    """More requests than the cache holds at once: they are admitted by free blocks, the youngest are preempted
+    when decode runs out of blocks and recomputed later, and every one still gets generate's greedy tokens."""
+    ps = prompts(6, seed=11, lo=20, hi=40)
+    new = 40
+    refs = [reference(model, p, new=new) for p in ps]
+    kw = dict(max_batch_size=8, max_seq_len=128)
+    budget = small_cache_budget(model, tokenizer, 12, **kw)
+    with Engine(model, tokenizer, device="cpu", memory_budget_bytes=budget, **kw) as eng:
+        assert eng.stats["kv_blocks_total"] == 12  # 192 positions; the six need up to 480
+        res = eng.generate([greedy(p, i, new=new) for i, p in enumerate(ps)])
+        assert eng.stats["preemptions"] >= 1
+        assert eng.stats["kv_blocks_used"] == 0 and eng.stats["kv_blocks_free"] == 12  # all given back
+    for r, ref in zip(res, refs):
+        assert r.error is None and r.output_ids == ref, (r.request_id, r.output_ids, ref)
+
+
+def test_sampled_tokens_survive_preemption(model, tokenizer):
+    """Sampling noise is keyed by (seed, token index): a preempted, recomputed request draws the same tokens."""
+    ps = prompts(6, seed=12, lo=20, hi=40)
+    reqs = lambda: [GenerationRequest(str(i), p, SamplingParams(max_new_tokens=40, temperature=0.8, seed=i,  # noqa: E731
+                                                                ignore_eos=True)) for i, p in enumerate(ps)]
+    kw = dict(max_batch_size=8, max_seq_len=128)
+    with Engine(model, tokenizer, device="cpu", memory_budget_bytes=64 * MB, **kw) as eng:
+        roomy = eng.generate(reqs())
+    with Engine(model, tokenizer, device="cpu", memory_budget_bytes=small_cache_budget(model, tokenizer, 12, **kw),
+                **kw) as eng:
+        tight = eng.generate(reqs())
+        assert eng.stats["preemptions"] >= 1
+    assert [r.output_ids for r in tight] == [r.output_ids for r in roomy]
+
+
+def test_long_prompt_prefills_in_chunks_while_others_decode(model, tokenizer):
+    """A prompt longer than the step's prefill budget arrives while another request decodes: it is prefilled a
+    chunk per step, the running request keeps decoding between the chunks, and both match generate."""
+    short, long = prompts(1, seed=13, lo=5, hi=6)[0], prompts(1, seed=14, lo=100, hi=101)[0]
+    refs = [reference(model, short, new=60), reference(model, long, new=NEW)]
+    with Engine(model, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=4, max_seq_len=256,
+                prefill_tokens=16) as eng:
+        first = eng.submit(greedy(short, "short", new=60, ignore_eos=True))
+        deadline = time.time() + 60
+        while eng.stats["decode_steps"] < 3 and time.time() < deadline:
+            time.sleep(0.01)
+        steps_before = eng.stats["decode_steps"]
+        second = eng.submit(greedy(long, "long"))
+        r_long = second.result(timeout=120)
+        steps_during = eng.stats["decode_steps"] - steps_before
+        r_short = first.result(timeout=120)
+        assert eng.stats["prefill_chunks"] >= 7  # 100 tokens in chunks of 16
+    assert steps_during >= 7  # the short one decoded a step per chunk, not stalled for the whole prompt
+    assert r_short.output_ids[:len(refs[0])] == refs[0][:len(r_short.output_ids)]
+    assert r_long.output_ids == refs[1]
+
+
 def test_compaction_moves_requests_to_low_slots(model, tokenizer):
     rng = random.Random(9)
     ps = [[rng.randrange(5, 300) for _ in range(n)] for n in (5, 10, 20)]  # prefilled into slots 0, 1, 2
@@ -251,7 +312,7 @@ def test_bad_requests_fail_alone(model, tokenizer):
         near = eng.generate([greedy([5] * 60, "near-limit", new=50, ignore_eos=True)])[0]
     by = {r.request_id: r for r in res}
     assert by["good"].finish_reason in ("stop", "length") and by["good"].error is None
-    assert "64 tokens" in by["too-long"].error
+    assert "64 tokens" in by["too-long"].error and by["too-long"].error_code == "context_length_exceeded"
     for rid in ("too-long", "empty", "adapter", "vocab", "temp", "zero"):
         assert by[rid].finish_reason == "error" and by[rid].error, rid
     # A prompt near the context limit stops at the limit with "length" (64 - 60 + 1 tokens).
@@ -307,8 +368,10 @@ def test_memory_budget_bounds_the_cache(model, tokenizer):
         s = eng.stats
         assert 1 <= s["num_slots"] < 10_000
         assert s["kv_cache_bytes"] + s["workspace_estimate_bytes"] <= budget
-        # one slot more than requests: the spare one takes packed prefill's padding
-        assert s["kv_cache_bytes"] == (s["num_slots"] + 1) * 1024 * eng.kv_bytes_per_token
+        # paged: blocks of kv_block_size positions, one more than the pool (the scratch block)
+        assert s["kv_cache_bytes"] == (s["kv_blocks_total"] + 1) * s["kv_block_size"] * eng.kv_bytes_per_token
+        assert s["kv_blocks_total"] * s["kv_block_size"] >= 1024  # one request of max_seq_len fits
+        assert s["kv_blocks_used"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"]
 
 
 def test_closed_engine_refuses(model, tokenizer):

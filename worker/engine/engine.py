@@ -5,7 +5,9 @@ step, whatever the batch size, so the device idles. This engine does the per-ste
 
 Parts (worker/engine/):
   requests.py      what goes in and out: SamplingParams, GenerationRequest, GenerationResult, GenerationDelta, errors
-  engine.py        this file: the request queue, the engine thread, admission and the decode loop (scheduling)
+  engine.py        this file: the request queue, the engine thread, the step loop that carries out the schedule
+  scheduler.py     which sequences decode, prefill (chunked) or are preempted each step; Sequence
+  kv_cache.py      the paged KV cache's block manager
   model_runner.py  the native decoder (Llama-style models) and its prefill/decode forwards
   graphs.py        device-graph capture of the decode step and of packed prefill
   triton_kernels.py  decode attention and fused elementwise kernels for cuda/xpu
@@ -16,19 +18,24 @@ Parts (worker/engine/):
   device.py        backend helpers
   messages.py, process.py, model_cache.py  the engine process a worker node talks to through a pipe
 
-Native path: the KV cache is one preallocated tensor, sized from a memory budget, with one slot per running
-request. Prefill, with the Triton kernels and where the device has torch's flash kernel: prompts packed end to end
-(no padding between them), staged into static buffers and replayed as a device graph captured per row count; else
-eagerly in right-padded chunks (causal attention, so padding never leaks into real tokens). Each decode step for a
-batch bucket x length bucket is captured once as a CUDA/XPU graph and then replayed. The host consumes step k's
-tokens while the device runs step k+1 (a one-step lag), so the device is kept busy. If the Triton kernels or graph
-capture fail on a machine, the engine logs it and falls back (stats["kernels_error"], stats["graphs_error"]).
+Native path: the KV cache is paged (kv_cache.py): fixed-size blocks, and a block table per sequence, so a request
+holds the cache it has used, not max_seq_len. The scheduler (scheduler.py) admits requests by free blocks, takes a
+token budget of prefill per step (long prompts in chunks between decode steps), and preempts the most recent
+requests when blocks run out mid-decode (they are recomputed later). Prefill, with the Triton kernels and where the
+device has torch's flash kernel: whole prompts packed end to end (no padding between them), staged into static
+buffers and replayed as a device graph captured per row count; else eagerly, right-padded. Each decode step for a
+batch bucket is captured once as a CUDA/XPU graph (block tables are static buffers) and then replayed. The host
+consumes step k's tokens while the device runs step k+1 (a one-step lag), so the device is kept busy. If the Triton
+kernels or graph capture fail on a machine, the engine logs it and falls back (stats["kernels_error"],
+stats["graphs_error"]).
 
-Memory: the KV cache ((num_slots + 1 spare for prefill's padding) x max_seq_len tokens) plus an estimate of the
-workspace (logits, prefill and decode activations, sampling temporaries, stacked LoRA) is fitted into
-memory_budget_bytes at construction: num_slots = min(max_batch_size, what fits); a budget that cannot hold one
-max_seq_len request raises ValueError. max_seq_len (prompt + completion) defaults to
-min(max_position_embeddings, 4096); prompts must be shorter, and a completion that reaches it ends with "length".
+Memory: by default the cache and the workspace take `memory_fraction` (0.85) of the device memory free when the
+engine starts (after the weights; the graphs' temporaries are inside the workspace estimate); on cpu a fixed
+CPU_MEMORY_BYTES; `memory_budget_bytes` overrides both. The cache gets what the workspace estimate leaves, at most
+enough for every decode row at max_seq_len; a budget whose cache cannot hold one max_seq_len request raises
+ValueError. max_seq_len (prompt + completion) defaults to min(max_position_embeddings, 4096); a prompt must be
+shorter (else the request fails alone, error_code "context_length_exceeded"), and a completion that reaches it ends
+with "length". stats reports the blocks: kv_block_size, kv_blocks_total, kv_blocks_used, kv_blocks_free.
 
 Streaming: a request with `stream=True` submitted with `on_delta` gets a GenerationDelta (the token ids accepted
 since the last one, and the text they add) after every engine step that accepted tokens for it, called from the
@@ -54,9 +61,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import heapq
+import itertools
 import logging
 import math
-import random
 import threading
 import time
 from collections import deque
@@ -67,59 +74,36 @@ import torch
 from worker.engine.device import HostTokens, device_module, graphs_available, to_device
 from worker.engine.fallback import FallbackPath
 from worker.engine.graphs import batch_buckets, length_bucket
+from worker.engine.kv_cache import BlockManager
 from worker.engine.logits import RequestLogits
 from worker.engine.model_runner import (
     PREFILL_PROMPTS,
     NativeModel,
     NativeRunner,
+    TorchOps,
     native_unsupported_reason,
     packed_attention,
 )
-from worker.engine.requests import EngineClosed, GenerationDelta, GenerationRequest, GenerationResult
+from worker.engine.requests import EngineClosed, EngineMemoryError, GenerationDelta, GenerationRequest, GenerationResult
 from worker.engine.sampling import SAMPLE_CHUNK, pick
+from worker.engine.scheduler import PrefillPlan, Scheduler, Sequence
 
 log = logging.getLogger(__name__)
 
 
-class Sequence:
-    """One request inside the engine: its settings, its output so far, where its cache is."""
-
-    __slots__ = ("req", "fut", "prompt_len", "limit", "out", "n_launched", "cache_len", "slot", "finished",
-                 "temperature", "top_p", "seed", "stops", "ignore_eos", "adapter_col", "cancelled", "t_submit",
-                 "on_delta", "sent_tokens", "sent_text", "logits")
-
-    def __init__(self, req: GenerationRequest, fut: concurrent.futures.Future,
-                 on_delta: Callable[[GenerationDelta], None] | None = None):
-        self.req = req
-        self.fut = fut
-        self.prompt_len = len(req.prompt_ids)
-        self.limit = 0
-        self.out: list[int] = []
-        self.n_launched = 0
-        self.cache_len = 0
-        self.slot = -1
-        self.finished = False
-        self.cancelled = False
-        p = req.params
-        self.temperature = float(p.temperature)
-        self.top_p = float(p.top_p)
-        self.seed = p.seed if p.seed is not None else random.getrandbits(63)
-        self.stops = [s for s in (p.stop or []) if s]
-        self.ignore_eos = bool(getattr(p, "ignore_eos", False))
-        self.adapter_col = -1
-        self.t_submit = time.perf_counter()
-        self.on_delta = on_delta if req.stream else None
-        self.sent_tokens = 0  # output tokens and characters of text already reported in deltas
-        self.sent_text = 0
-        self.logits: RequestLogits | None = None  # logits processing it asks for (set when admitted)
+# The cache's budget on cpu when none is given: the host's memory is not the engine's to size from.
+CPU_MEMORY_BYTES = 1 << 30
+DEFAULT_MEMORY_FRACTION = 0.85
+BLOCK_SIZE = 16  # token positions per cache block
 
 
 class Engine(NativeRunner):
     """Continuous-batching generation over one model on one device. See the module docstring."""
 
-    def __init__(self, model, tokenizer, *, device: str, memory_budget_bytes: int, max_batch_size: int = 256,
+    def __init__(self, model, tokenizer, *, device: str, memory_budget_bytes: int | None = None,
+                 memory_fraction: float = DEFAULT_MEMORY_FRACTION, max_batch_size: int = 256,
                  use_graphs: bool | None = None, max_seq_len: int | None = None, prefill_tokens: int | None = None,
-                 native: bool | None = None, kernels: str = "auto"):
+                 native: bool | None = None, kernels: str = "auto", block_size: int = BLOCK_SIZE):
         self.device = torch.device(device)
         self.backend = self.device.type
         if self.backend not in ("cpu", "cuda", "xpu"):
@@ -127,7 +111,13 @@ class Engine(NativeRunner):
         if self.backend != "cpu" and self.device.index is None:
             self.device = torch.device(self.backend, device_module(self.backend).current_device())
         self.tokenizer = tokenizer
-        self.budget = int(memory_budget_bytes)
+        if not 0.0 < memory_fraction <= 1.0:
+            raise ValueError("memory_fraction must be in (0, 1]")
+        self.budget = int(memory_budget_bytes) if memory_budget_bytes is not None else self._budget_from_device(
+            memory_fraction)
+        self.block_size = int(block_size)
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
         self.max_batch_size = int(max_batch_size)
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
@@ -163,14 +153,29 @@ class Engine(NativeRunner):
             "decode_steps": 0, "decode_rows": 0, "decode_seconds": 0.0, "prefill_calls": 0,
             "prefill_tokens": 0, "prefill_padded_tokens": 0, "prefill_seconds": 0.0, "graphs_captured": 0,
             "graph_capture_seconds": 0.0, "max_running": 0, "completed": 0, "errors": 0, "busy_seconds": 0.0,
-            "peak_memory_bytes": 0, "peak_reserved_bytes": 0, "migrations": 0,
+            "peak_memory_bytes": 0, "peak_reserved_bytes": 0, "migrations": 0, "preemptions": 0,
+            "prefill_chunks": 0,
         }
+        self._admissions = itertools.count()
         with self.model_lock:
             self._setup(model, first=True)
         self._thread = threading.Thread(target=self._loop, name="xpu-jobs-engine", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------------------------------ setup
+
+    def _budget_from_device(self, fraction: float) -> int:
+        """`fraction` of the device memory free now (the model's weights are loaded: they are not free)."""
+        if self.backend == "cpu":
+            return CPU_MEMORY_BYTES
+        mod = device_module(self.backend)
+        try:
+            free = mod.mem_get_info(self.device)[0]
+        except Exception:  # a runtime without mem_get_info: total minus what torch holds
+            free = mod.get_device_properties(self.device).total_memory - mod.memory_reserved(self.device)
+        # torch's cached free blocks are free to this engine too
+        free += mod.memory_reserved(self.device) - mod.memory_allocated(self.device)
+        return int(free * fraction)
 
     def _setup(self, model, *, first: bool) -> None:
         model.eval()
@@ -259,6 +264,7 @@ class Engine(NativeRunner):
             if want == "triton" and self._tri is None:
                 raise ValueError(f"kernels='triton' is unavailable: {why}")
         self.attention = "triton" if self._tri is not None else "torch"
+        self._ops = self._tri if self._tri is not None else TorchOps(self.nat.act)
         self.stats["kernels"] = self.attention
         self._packed = None
         if self._tri is not None:
@@ -273,6 +279,8 @@ class Engine(NativeRunner):
         wide = max(n.hidden, n.intermediate, (n.hq + 2 * n.hkv) * n.head_dim)
         logits = slots * n.vocab * el
         decode = slots * (16 * wide * el + n.hq * self.max_seq_len * 12) + slots * 64
+        if self._tri is None:  # the torch path gathers each row's keys and values, a layer at a time
+            decode += 4 * slots * self.max_seq_len * n.hkv * n.head_dim * el
         p = self.prefill_tokens
         prefill = int(1.5 * p * (3 * n.hidden + 3 * (n.hq + 2 * n.hkv) * n.head_dim + n.hq * n.head_dim
                                  + 4 * n.intermediate) * el)
@@ -286,35 +294,43 @@ class Engine(NativeRunner):
         return logits + decode + prefill + sample + lora
 
     def _allocate_native(self, dtype, el) -> None:
-        n = self.nat
-        per_slot = self.kv_bytes_per_token * self.max_seq_len
+        n, bs = self.nat, self.block_size
+        per_block = self.kv_bytes_per_token * bs
+        row_blocks = -(-self.max_seq_len // bs)  # blocks of a max_seq_len request
         slots = self.max_batch_size
-        # one slot more than requests: packed prefill writes its padding tokens' keys and values there
-        while slots > 0 and (slots + 1) * per_slot + self._workspace_estimate(slots, el) > self.budget:
-            slots -= 1
-        if slots < 1:
-            raise ValueError(
+
+        def blocks_for(rows: int) -> int:  # what the budget leaves the cache, less the scratch block
+            return (self.budget - self._workspace_estimate(rows, el)) // per_block - 1
+
+        while slots > 1 and blocks_for(slots) < row_blocks:  # a small budget: fewer decode rows, smaller workspace
+            slots = max(1, slots // 2)
+        if blocks_for(slots) < row_blocks:
+            raise EngineMemoryError(
                 f"memory_budget_bytes={self.budget} cannot hold one request of max_seq_len={self.max_seq_len} "
-                f"({per_slot} bytes of KV cache) plus the workspace ({self._workspace_estimate(1, el)} bytes); "
-                f"raise the budget or lower max_seq_len")
+                f"({row_blocks * per_block} bytes of KV cache) plus the workspace "
+                f"({self._workspace_estimate(slots, el)} bytes); raise the budget or lower max_seq_len")
+        num_blocks = min(blocks_for(slots), slots * row_blocks)  # more than every row at max_seq_len is unused
         self.num_slots = slots
         dev = self.device
         self._reset_peak()
         self._mem_base = self._allocated()
-        self.cache = torch.zeros(n.n_layers, 2, slots + 1, n.hkv, self.max_seq_len, n.head_dim, dtype=dtype,
-                                 device=dev)
+        self.blocks = BlockManager(num_blocks, bs)
+        self.scheduler = Scheduler(self.blocks, self.prefill_tokens, PREFILL_PROMPTS, packed=self._packed is not None)
+        scratch = self.blocks.scratch_block
+        self.cache = torch.zeros(n.n_layers, 2, num_blocks + 1, bs, n.hkv, n.head_dim, dtype=dtype, device=dev)
+        # one row more than decode rows: packed prefill's padding rows use it (their adapter mask is zero)
+        self.block_tables = torch.full((slots + 1, row_blocks), scratch, dtype=torch.int32, device=dev)
         self.ids_buf = torch.zeros(slots, dtype=torch.int64, device=dev)
         self.pos_buf = torch.zeros(slots, dtype=torch.int64, device=dev)
         self.next_buf = torch.zeros(slots, dtype=torch.int64, device=dev)
         self.logits_buf = torch.zeros(slots, n.vocab, dtype=dtype, device=dev)
-        self.slot_ar = torch.arange(slots, device=dev)
-        self.head_ar = torch.arange(n.hkv, device=dev)
-        self.len_ar = torch.arange(self.max_seq_len, device=dev)
+        self.len_ar = torch.arange(row_blocks * bs, device=dev)
         self.cos, self.sin = n.rope_tables(self.max_seq_len, dev)
         self.lora_mask = torch.zeros(slots + 1, max(1, n.lora_rank), dtype=dtype, device=dev)
-        # packed prefill's inputs: token ids, positions and slots per row; the prompts' bounds (cu_seqlens), with
-        # room for the padding up to a captured size, cut into pieces no longer than a prompt may be
-        self._pf_rows = torch.zeros(3, self.prefill_tokens, dtype=torch.int64, device=dev)
+        # packed prefill's inputs: token ids, positions, decode rows and cache indices per row; the prompts'
+        # bounds (cu_seqlens), with room for the padding up to a captured size, cut into pieces no longer than a
+        # prompt may be
+        self._pf_rows = torch.zeros(4, self.prefill_tokens, dtype=torch.int64, device=dev)
         self._pf_seqs = PREFILL_PROMPTS + -(-self.prefill_tokens // self.max_seq_len)
         self._pf_cu = torch.zeros(self._pf_seqs + 1, dtype=torch.int32, device=dev)
         self._pf_logits = torch.zeros(PREFILL_PROMPTS, n.vocab, dtype=torch.float32, device=dev)
@@ -322,12 +338,16 @@ class Engine(NativeRunner):
         self._free = list(range(slots))
         heapq.heapify(self._free)
         self._inflight: list[HostTokens] = []
-        self._graphs: dict[tuple[int, int], Any] = {}
+        self._graphs: dict[tuple, Any] = {}
         self._graph_pool = device_module(self.backend).graph_pool_handle() if self.use_graphs else None
         self._buckets = batch_buckets(slots)
         self.stats.update(num_slots=slots, max_seq_len=self.max_seq_len, budget_bytes=self.budget,
-                          kv_cache_bytes=self.cache.numel() * el,
+                          kv_cache_bytes=self.cache.numel() * el, kv_block_size=bs, kv_blocks_total=num_blocks,
                           workspace_estimate_bytes=self._workspace_estimate(slots, el))
+        self._block_stats()
+
+    def _block_stats(self) -> None:
+        self.stats.update(kv_blocks_used=self.blocks.num_used, kv_blocks_free=self.blocks.num_free)
 
     def _refresh_lora_masks(self) -> None:
         self.lora_mask = torch.zeros(self.num_slots + 1, max(1, self.nat.lora_rank), dtype=self.cache.dtype,
@@ -416,6 +436,19 @@ class Engine(NativeRunner):
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join()
 
+    def close_if_idle(self) -> bool:
+        """Close the engine if no request is waiting or running, atomically with submit (which then raises
+        EngineClosed); False, and nothing changes, when it is busy."""
+        with self.model_lock, self._cv:  # the model lock: no step is half done
+            if self._closed:
+                return True
+            if self._has_work():
+                return False
+            self._closed = True
+            self._cv.notify()
+        self.close()
+        return True
+
     def update_model(self, model) -> None:
         """Use `model` from the next step on (e.g. the base wrapped in a PeftModel, or after load_adapter /
         delete_adapter on the live PeftModel). Re-reads weights and adapters and drops captured graphs; running
@@ -439,14 +472,14 @@ class Engine(NativeRunner):
                         self._graph(B, L)
                 if self._graph_prefill:
                     for size in reversed(self._prefill_sizes()):
-                        self._stage_rows([], size)  # all padding: only the spare slot is written
+                        self._stage_rows([], size)  # all padding: only the scratch block is written
                         self._prefill_graph(size)
             except Exception as e:
                 log.warning("engine: graph warm-up failed (%s: %s); capturing on first use", type(e).__name__, e)
 
     def benchmark_step(self, batch_size: int | None = None, length: int | None = None, iters: int = 20) -> float:
         """Seconds per decode step (graph replay, or the eager forward) for `batch_size` rows whose caches hold
-        `length` tokens. The engine must be idle: it writes only into free cache slots."""
+        `length` tokens. The engine must be idle: it writes into cache blocks nobody holds."""
         if self.path != "native":
             raise RuntimeError("benchmark_step needs the native path")
         with self.model_lock, torch.no_grad():
@@ -456,6 +489,9 @@ class Engine(NativeRunner):
             L = min(length or self.max_seq_len, self.max_seq_len)
             self.pos_buf[:B] = L - 1
             self.ids_buf[:B] = torch.randint(0, self.vocab_size, (B,), device=self.device)
+            width = self.block_tables.shape[1]  # every row reads blocks of its own (wrapping round the pool)
+            self.block_tables[:B] = (torch.arange(B * width, device=self.device).view(B, width)
+                                     % self.blocks.num_blocks).to(torch.int32)
             Lb = 0 if self._tri is not None else (length_bucket(L, self.max_seq_len) if self.use_graphs else L)
             for _ in range(2):
                 self._run_decode(B, Lb)
@@ -464,6 +500,7 @@ class Engine(NativeRunner):
             for _ in range(iters):
                 self._run_decode(B, Lb)
             self.sync()
+            self.block_tables.fill_(self.blocks.scratch_block)
             return (time.perf_counter() - t) / iters
 
     def __enter__(self):
@@ -515,7 +552,16 @@ class Engine(NativeRunner):
 
     # ------------------------------------------------------------------------------ shared bookkeeping
 
-    def _validate(self, seq: Sequence) -> str | None:
+    def _validate(self, seq: Sequence) -> tuple[str, str] | None:
+        """(error code, message) for a request this engine cannot run, else None."""
+        err = self._invalid(seq)
+        if err is None:
+            return None
+        if isinstance(err, tuple):
+            return err
+        return "invalid_prompt", err
+
+    def _invalid(self, seq: Sequence) -> str | tuple[str, str] | None:
         req, p = seq.req, seq.req.params
         ids = req.prompt_ids
         if not isinstance(ids, (list, tuple)) or not ids:
@@ -523,8 +569,9 @@ class Engine(NativeRunner):
         if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in ids):
             return f"prompt_ids must be integers in [0, {self.vocab_size})"
         if len(ids) >= self.max_seq_len:
-            return (f"the prompt has {len(ids)} tokens; this engine holds at most {self.max_seq_len} tokens per "
-                    f"request (prompt + completion), so prompts must be shorter than that")
+            return "context_length_exceeded", (
+                f"the prompt has {len(ids)} tokens; this engine holds at most {self.max_seq_len} tokens per "
+                f"request (prompt + completion), so prompts must be shorter than that")
         if not isinstance(p.max_new_tokens, int) or p.max_new_tokens < 1:
             return "max_new_tokens must be an integer >= 1"
         if not (seq.temperature >= 0.0) or math.isinf(seq.temperature):
@@ -540,17 +587,19 @@ class Engine(NativeRunner):
             return f"logit_bias: token ids must be in [0, {self.vocab_size})"
         if p.logprobs is not None and not 0 <= p.logprobs <= self.vocab_size:
             return "logprobs must be >= 0"
-        seq.logits = RequestLogits.of(req, self.vocab_size, self.device,
-                                      self.grammars() if req.grammar is not None else None)
+        if seq.logits is None:  # a preempted request keeps its own (grammar state, penalties, logprobs so far)
+            seq.logits = RequestLogits.of(req, self.vocab_size, self.device,
+                                          self.grammars() if req.grammar is not None else None)
         seq.limit = min(p.max_new_tokens, self.max_seq_len - len(ids) + 1)
         return None
 
-    def _result(self, seq: Sequence, reason: str, error: str | None, text: str | None = None) -> GenerationResult:
+    def _result(self, seq: Sequence, reason: str, error: str | None, text: str | None = None,
+                code: str | None = None) -> GenerationResult:
         if text is None:
             text = self._decode(seq.out) if reason != "error" else ""
         return GenerationResult(request_id=seq.req.request_id, output_ids=list(seq.out), text=text,
                                 finish_reason=reason, prompt_tokens=seq.prompt_len,
-                                completion_tokens=len(seq.out), error=error,
+                                completion_tokens=len(seq.out), error=error, error_code=code,
                                 logprobs=seq.logits.logprobs(len(seq.out)) if seq.logits is not None else None)
 
     def _decode(self, ids: list[int]) -> str:
@@ -558,13 +607,13 @@ class Engine(NativeRunner):
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def finish(self, seq: Sequence, reason: str, error: str | None = None, text: str | None = None) -> None:
+    def finish(self, seq: Sequence, reason: str, error: str | None = None, text: str | None = None,
+               code: str | None = None) -> None:
         if seq.finished:
             return
         seq.finished = True
-        if seq.slot >= 0 and self.path == "native" and self._slots[seq.slot] is seq:
-            self._slots[seq.slot] = None
-            heapq.heappush(self._free, seq.slot)
+        if self.path == "native":
+            self._release(seq)
         with self._cv:
             lst = self._by_id.get(seq.req.request_id)
             if lst is not None:
@@ -576,7 +625,7 @@ class Engine(NativeRunner):
         if reason == "error":
             self.stats["errors"] += 1
         try:
-            result = self._result(seq, reason, error, text)
+            result = self._result(seq, reason, error, text, code)
         except Exception as e:  # a tokenizer failure must still finish the request
             result = GenerationResult(seq.req.request_id, list(seq.out), "", "error", seq.prompt_len,
                                       len(seq.out), f"decoding the output failed: {e}")
@@ -647,9 +696,11 @@ class Engine(NativeRunner):
                 if not self._waiting:
                     break
                 seq = self._waiting.popleft()
+            if seq.finished:  # preempted, then finished by the token it had in flight
+                continue
             err = self._validate(seq)
             if err:
-                self.finish(seq, "error", err)
+                self.finish(seq, "error", err[1], code=err[0])
             else:
                 got.append(seq)
         return got
@@ -673,10 +724,18 @@ class Engine(NativeRunner):
     # ------------------------------------------------------------------------------ native scheduling
 
     def _iterate_native(self) -> None:
-        run = [s for s in self._slots if s is not None and not s.finished and s.n_launched < s.limit]
+        """One step: blocks for the decoding sequences (preempting if the pool ran dry), their decode step
+        launched, the previous step's tokens consumed, cancels, then this step's prefill."""
+        run = [s for s in self._slots if s is not None and not s.prefilling and s.n_launched < s.limit]
+        if run:
+            holders = [s for s in self._slots if s is not None]
+            for victim in self.scheduler.reserve_decode(run, holders):
+                self._preempt(victim)
+            run = [s for s in run if s.slot >= 0]
         new: list[HostTokens] = []
         if run:
             run = self._compact(run)
+            self._write_tables([s for s in run if s.cache_len % self.block_size == 0])  # a block added
             new.append(self._launch_decode(run))
         old, self._inflight = self._inflight, new
         self._accept_all(old)
@@ -685,7 +744,40 @@ class Engine(NativeRunner):
             for seq in list(self._slots):
                 if seq is not None and seq.req.request_id in cancels:
                     self.finish(seq, "cancelled")
-        self._admit_native()
+        self._prefill_step()
+        self._block_stats()
+
+    def _release(self, seq: Sequence) -> None:
+        """Give back seq's decode row and cache blocks (its row's block table points at the scratch block again,
+        so the rows of later decode steps that it no longer uses write nowhere that matters)."""
+        self.blocks.release(seq)
+        if seq.slot >= 0 and self._slots[seq.slot] is seq:
+            self._slots[seq.slot] = None
+            heapq.heappush(self._free, seq.slot)
+            self.block_tables[seq.slot].fill_(self.blocks.scratch_block)
+        seq.slot = -1
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Out of blocks: seq goes back to the front of the queue with what it has, to be recomputed."""
+        self._release(seq)
+        seq.cache_len = seq.target = 0
+        seq.preemptions += 1
+        self.stats["preemptions"] += 1
+        self.push_back([seq])
+
+    def _write_tables(self, seqs: list[Sequence]) -> None:
+        """The device block tables of seqs' decode rows from the host's."""
+        if not seqs:
+            return
+        width = self.block_tables.shape[1]
+        rows = torch.full((len(seqs), width), self.blocks.scratch_block, dtype=torch.int32)
+        for i, seq in enumerate(seqs):
+            table = self.blocks.table(seq)
+            rows[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        index = to_device([s.slot for s in seqs], torch.int64, self.device)
+        if self.backend != "cpu":
+            rows = rows.pin_memory()
+        self.block_tables.index_copy_(0, index, rows.to(self.device, non_blocking=True))
 
     def _accept_all(self, outs: list[HostTokens]) -> None:
         for out in outs:
@@ -699,7 +791,7 @@ class Engine(NativeRunner):
         self._accept_all(old)
 
     def _compact(self, run: list[Sequence]) -> list[Sequence]:
-        """Move requests from high slots into free low ones when that shrinks the batch bucket."""
+        """Move decoding requests from high rows into free low ones when that shrinks the batch bucket."""
         if not self._free:
             return run
         held = sum(1 for s in self._slots if s is not None)
@@ -711,11 +803,9 @@ class Engine(NativeRunner):
                 break
             dst = heapq.heappop(self._free)
             src = seq.slot
-            used = min(seq.cache_len + 1, self.max_seq_len)
-            self.cache[:, :, dst, :, :used].copy_(self.cache[:, :, src, :, :used])
-            self.ids_buf[dst] = self.ids_buf[src]
-            self.pos_buf[dst] = self.pos_buf[src]
-            self.lora_mask[dst] = self.lora_mask[src]
+            for buf in (self.ids_buf, self.pos_buf, self.lora_mask, self.block_tables):
+                buf[dst] = buf[src]
+            self.block_tables[src].fill_(self.blocks.scratch_block)
             self._slots[dst], self._slots[src] = seq, None
             seq.slot = dst
             heapq.heappush(self._free, src)
@@ -755,85 +845,101 @@ class Engine(NativeRunner):
         self.stats["decode_seconds"] += time.perf_counter() - t0
         return out
 
-    def _admit_native(self) -> None:
-        if not self._free:
-            return
-        with self._cv:
-            if not self._waiting:
-                return
-        cands = self.pop_waiting(len(self._free))
-        if not cands:
+    def _take_one(self) -> Sequence | None:
+        got = self.pop_waiting(1)
+        if not got:
+            return None
+        seq = got[0]
+        seq.target = seq.prompt_len + len(seq.out)
+        return seq
+
+    def _prefill_step(self) -> None:
+        partial = next((s for s in self._slots if s is not None and s.prefilling), None)
+        if partial is None:
+            with self._cv:
+                if not self._waiting:
+                    return
+        self.scheduler.packed = self._packed is not None
+        plan = self.scheduler.plan_prefill(partial, self._take_one, lambda seq: self.push_back([seq]),
+                                           len(self._free))
+        admitted = plan.whole + ([plan.chunk[0]] if plan.chunk and plan.chunk[0] is not partial else [])
+        if not admitted and plan.chunk is None:
             return
         t0 = time.perf_counter()
-        P = self.prefill_tokens
-        long = [s for s in cands if s.prompt_len > P]
-        short = sorted((s for s in cands if s.prompt_len <= P), key=lambda s: s.prompt_len)
-        chunk: list[Sequence] = []
-        if long:
-            chunk = [long[0]]
-        else:
-            tokens = 0
-            for s in short:
-                # packed, a chunk costs its real tokens; padded, every prompt costs the longest (the last)
-                cost = tokens + s.prompt_len if self._packed else (len(chunk) + 1) * s.prompt_len
-                if cost > P or len(chunk) >= PREFILL_PROMPTS:
-                    break
-                chunk.append(s)
-                tokens += s.prompt_len
-        taken = {id(s) for s in chunk}
-        self.push_back([s for s in cands if id(s) not in taken])
-        for seq in chunk:
+        for seq in admitted:
             seq.slot = heapq.heappop(self._free)
+            seq.order = next(self._admissions)
+            seq.cache_len = 0
             self._slots[seq.slot] = seq
             if self.nat.lora_rank:
                 self._set_mask_row(seq)
         try:
             try:
-                self._prefill(chunk)
+                self._prefill(plan)
             except Exception as e:
                 if not self._disable_triton(e):
                     raise
-                self._prefill(chunk)
+                self._prefill(plan)
         except Exception as e:
             log.exception("prefill failed")
-            for seq in chunk:
+            for seq in plan.whole + ([plan.chunk[0]] if plan.chunk else []):
                 self.finish(seq, "error", f"prefill failed: {type(e).__name__}: {e}")
         self.stats["prefill_seconds"] += time.perf_counter() - t0
 
-    def _prefill(self, chunk: list[Sequence]) -> None:
-        dev = self.device
-        n = len(chunk)
-        slots = to_device([s.slot for s in chunk], torch.int64, dev)
-        lens = [s.prompt_len for s in chunk]
-        if n == 1 and lens[0] > self.prefill_tokens:
-            ids_all = chunk[0].req.prompt_ids
-            seg = self.prefill_tokens
-            logits = None
-            for start in range(0, lens[0], seg):
-                piece = ids_all[start:start + seg]
-                last = to_device([len(piece) - 1], torch.int64, dev) if start + seg >= lens[0] else None
-                logits = self._prefill_forward(to_device([piece], torch.int64, dev), slots, start, last)
-            padded = lens[0]
-        elif self._packed is not None:
+    def _prefill(self, plan: PrefillPlan) -> None:
+        dev, bs = self.device, self.block_size
+        if plan.chunk is not None:
+            seq, start, end = plan.chunk
+            last = end == seq.target
+            blocks = to_device([self.blocks.table(seq)], torch.int64, dev) if start > 0 else None
+            logits = self._prefill_forward(to_device([seq.ids()[start:end]], torch.int64, dev),
+                                           to_device(self._kv_indices(seq, start, end), torch.int64, dev),
+                                           to_device([seq.slot], torch.int64, dev), start,
+                                           to_device([end - start - 1], torch.int64, dev) if last else None, blocks)
+            seq.cache_len = end
+            self.stats["prefill_chunks"] += 1
+            self._count_prefill(end - start, end - start)
+            if last:
+                self._start_decoding([seq], logits)
+            return
+        chunk = plan.whole
+        lens = [s.target for s in chunk]
+        if self._packed is not None:
             logits, padded = self._prefill_packed(chunk)
         else:
-            L = max(lens)
+            n, L = len(chunk), max(lens)
             ids = torch.zeros(n, L, dtype=torch.int64)
+            index = torch.empty(n, L, dtype=torch.int64)
+            scratch = self.blocks.scratch_block * bs
             for i, s in enumerate(chunk):
-                ids[i, :s.prompt_len] = torch.tensor(s.req.prompt_ids)
-            last = to_device([x - 1 for x in lens], torch.int64, dev)
+                ids[i, :lens[i]] = torch.tensor(s.ids()[:lens[i]])
+                index[i] = torch.tensor(self._kv_indices(s, 0, lens[i]) + [scratch + t % bs for t in range(lens[i], L)])
             if self.backend != "cpu":
-                ids = ids.pin_memory()
-            logits = self._prefill_forward(ids.to(dev, non_blocking=True), slots, 0, last)
+                ids, index = ids.pin_memory(), index.pin_memory()
+            logits = self._prefill_forward(ids.to(dev, non_blocking=True), index.view(-1).to(dev, non_blocking=True),
+                                           to_device([s.slot for s in chunk], torch.int64, dev), 0,
+                                           to_device([x - 1 for x in lens], torch.int64, dev))
             padded = n * L
-        rows = list(enumerate(chunk))
-        toks = pick(logits, None, rows, [0] * n)
-        self.ids_buf.index_copy_(0, slots, toks)
-        self.pos_buf.index_copy_(0, slots, to_device(lens, torch.int64, dev))
         for s in chunk:
-            s.cache_len = s.prompt_len
-            s.n_launched = 1
-        self._inflight.append(HostTokens(toks, rows, self.backend))
+            s.cache_len = s.target
+        self._count_prefill(sum(lens), padded)
+        self._start_decoding(chunk, logits)
+
+    def _count_prefill(self, tokens: int, padded: int) -> None:
         self.stats["prefill_calls"] += 1
-        self.stats["prefill_tokens"] += sum(lens)
+        self.stats["prefill_tokens"] += tokens
         self.stats["prefill_padded_tokens"] += padded
+
+    def _start_decoding(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Prefilled sequences become decode rows: their first new token (from the prompt's last logits), their
+        position and their block table go into the decode buffers."""
+        dev = self.device
+        rows = list(enumerate(seqs))
+        toks = pick(logits, None, rows, [len(s.out) for s in seqs])
+        slots = to_device([s.slot for s in seqs], torch.int64, dev)
+        self.ids_buf.index_copy_(0, slots, toks)
+        self.pos_buf.index_copy_(0, slots, to_device([s.target for s in seqs], torch.int64, dev))
+        self._write_tables(seqs)
+        for s in seqs:
+            s.n_launched = len(s.out) + 1
+        self._inflight.append(HostTokens(toks, rows, self.backend))

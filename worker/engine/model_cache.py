@@ -1,6 +1,12 @@
 """The engine process's loaded models: base models stay loaded (a cache bounded by a byte budget), each with a
 generation engine that batches every concurrent request for it; fine-tuned adapters are loaded onto the loaded
-base once and chosen per request inside a batch, never by reloading the base."""
+base once and chosen per request inside a batch, never by reloading the base.
+
+Several models on one device share it: each new engine sizes its KV cache from the memory free when it starts
+(XPUJOBS_ENGINE_MEMORY_FRACTION of it), so a later model gets what the earlier ones left. When that is too little
+for one request (or the weights do not fit), an idle model (no request running) is evicted, least recently used
+first, and the load tried again; when every loaded model is serving requests, the load is refused (model_capacity,
+retryable). An engine with requests is never closed under them."""
 
 import gc
 import threading
@@ -12,9 +18,24 @@ from typing import Callable
 from contract.settings import Settings
 from worker.engine.engine import Engine
 from worker.engine.messages import AdapterRef, ModelKey, ModelReport, Submission
-from worker.engine.requests import GenerationDelta, GenerationRequest, RequestFailed
+from worker.engine.requests import EngineClosed, EngineMemoryError, GenerationDelta, GenerationRequest, RequestFailed
 from worker.models import ModelLoadError, load_model_and_tokenizer
 from worker.node import devices
+
+
+def build_engine(model, tokenizer, settings: Settings, device: str, native: bool | None = None) -> Engine:
+    """The engine a worker runs for a loaded model, from the settings (bench/ builds the same one), its graphs
+    captured now rather than in the middle of someone's requests. native=False: the model's own forward."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    engine = Engine(model, tokenizer, device=device, memory_budget_bytes=settings.engine_memory_bytes,
+                    memory_fraction=settings.engine_memory_fraction, max_batch_size=settings.engine_max_batch_size,
+                    max_seq_len=min(settings.engine_max_seq_len, context or 1 << 30), native=native)
+    engine.warmup()
+    return engine
+
+
+class _NoRoom(Exception):
+    """The device (or the cache's byte bound) has no room for a model until another is evicted."""
 
 
 @dataclass
@@ -56,23 +77,7 @@ class ModelCache:
             if loaded := self._cached(key):
                 return loaded
             self._make_room(key, 0)  # the variant bound before loading anything
-            try:
-                model, tokenizer = load_model_and_tokenizer(key.base, self.settings, self.backend,
-                                                            attn_implementation=key.attn_implementation or "sdpa",
-                                                            quantization=key.quantization,
-                                                            use_kernels=key.use_kernels)
-            except ModelLoadError as exc:
-                raise RequestFailed(exc.code, str(exc)) from None
-            nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-            self._make_room(key, nbytes)
-            context = getattr(model.config, "max_position_embeddings", None)
-            engine = Engine(model, tokenizer, device=devices.torch_device(self.backend),
-                            memory_budget_bytes=self.settings.engine_memory_bytes,
-                            max_batch_size=self.settings.engine_max_batch_size,
-                            max_seq_len=min(self.settings.engine_max_seq_len, context or 1 << 30),
-                            native=False if key.wants_hf_path else None)
-            engine.warmup()  # every batch size's decode graph now, not in the middle of someone's requests
-            loaded = LoadedModel(engine, context, nbytes)
+            loaded = self._with_room(lambda: self._load(key))
             with self._lock:
                 self._models[key] = loaded
             freeze_heap()
@@ -98,6 +103,64 @@ class ModelCache:
                     raise RequestFailed("model_capacity", f"Cannot load '{key.base}' this way now: {why}. Retry "
                                                           "later, or leave out the per-request model options.")
                 self._models.pop(idle[0]).engine.close()
+
+    def _load(self, key: ModelKey) -> LoadedModel:
+        """Weights and engine; _NoRoom when the device has too little memory for them."""
+        import torch
+
+        try:
+            model, tokenizer = load_model_and_tokenizer(key.base, self.settings, self.backend,
+                                                        attn_implementation=key.attn_implementation or "sdpa",
+                                                        quantization=key.quantization, use_kernels=key.use_kernels)
+        except torch.OutOfMemoryError as exc:
+            _free_memory(self.backend)
+            raise _NoRoom(f"its weights do not fit: {exc}") from None
+        except ModelLoadError as exc:
+            raise RequestFailed(exc.code, str(exc)) from None
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        try:
+            self._make_room(key, nbytes)
+            engine = build_engine(model, tokenizer, self.settings, devices.torch_device(self.backend),
+                                  native=False if key.wants_hf_path else None)
+        except (EngineMemoryError, torch.OutOfMemoryError) as exc:  # the budget cannot hold one request
+            del model
+            _free_memory(self.backend)
+            raise _NoRoom(str(exc)) from None
+        except BaseException:
+            del model
+            _free_memory(self.backend)
+            raise
+        return LoadedModel(engine, getattr(model.config, "max_position_embeddings", None), nbytes)
+
+    def _with_room(self, load: Callable[[], LoadedModel]) -> LoadedModel:
+        """load(), evicting idle models (least recently used first) while the device has no room for it; refused
+        (model_capacity, retryable) when only models serving requests stand in the way."""
+        while True:
+            try:
+                return load()
+            except _NoRoom as exc:
+                why = str(exc)
+            if self._evict_idle() is None:
+                raise RequestFailed("model_capacity", f"The model cannot be loaded on this worker now: {why}; "
+                                                      "the models loaded are serving requests. Retry later.")
+
+    def _evict_idle(self) -> ModelKey | None:
+        """Close the least recently used model serving no request; None when every one is busy."""
+        with self._lock:
+            key = next((k for k, m in self._models.items() if m.running == 0), None)
+            if key is None:
+                return None
+            loaded = self._models.pop(key)
+        loaded.engine.close()
+        _free_memory(self.backend)
+        return key
+
+    def release_idle(self) -> list[str]:
+        """Evict every idle model (a fine-tune is about to need the device); the bases evicted."""
+        evicted = []
+        while (key := self._evict_idle()) is not None:
+            evicted.append(key.base)
+        return evicted
 
     @staticmethod
     def attach_adapter(loaded: LoadedModel, adapter: AdapterRef) -> None:
@@ -153,6 +216,15 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
+def _free_memory(backend: str) -> None:
+    """Give what closed engines and dropped models held back to the device."""
+    gc.collect()
+    if backend != "cpu":
+        import torch
+
+        getattr(torch, backend).empty_cache()
+
+
 def submit(cache: ModelCache, submission: Submission,
            on_delta: Callable[[GenerationDelta], None] | None = None) -> tuple[Engine, Future]:
     """Load base and adapter as needed, and give the request to the base's engine."""
@@ -161,7 +233,7 @@ def submit(cache: ModelCache, submission: Submission,
         cache.attach_adapter(loaded, submission.adapter)
     ids, params = submission.prompt_ids, submission.params
     if loaded.max_positions and len(ids) + params.max_new_tokens > loaded.max_positions:
-        raise RequestFailed("invalid_prompt",
+        raise RequestFailed("context_length_exceeded",
                             f"The prompt ({len(ids)} tokens) plus max tokens ({params.max_new_tokens}) exceeds the "
                             f"model's context of {loaded.max_positions}.")
     if len(ids) >= loaded.engine.max_seq_len:  # the engine would refuse it too, but as an error of its own
@@ -169,16 +241,25 @@ def submit(cache: ModelCache, submission: Submission,
                                               f"{loaded.engine.max_seq_len} tokens this worker holds per request.")
     request = GenerationRequest(submission.request_id, ids, params,
                                 submission.adapter.name if submission.adapter else None, stream=submission.stream)
-    if params.grammar is not None:  # compiled here, on the request's thread, never on the engine's
-        from worker.engine.grammar import GrammarError
+    def hand_over(engine: Engine) -> Future:
+        if params.grammar is not None:  # compiled here, on the request's thread, never on the engine's
+            from worker.engine.grammar import GrammarError
 
-        try:
-            request.grammar = loaded.engine.grammars().compile(params.grammar)
-        except GrammarError as exc:
-            raise RequestFailed("invalid_value", str(exc), exc.param) from None
+            try:
+                request.grammar = engine.grammars().compile(params.grammar)
+            except GrammarError as exc:
+                raise RequestFailed("invalid_value", str(exc), exc.param) from None
+        return engine.submit(request, on_delta)
+
     cache.started(loaded)
     try:
-        future = loaded.engine.submit(request, on_delta)
+        try:
+            future = hand_over(loaded.engine)
+        except EngineClosed:  # evicted while idle, between the lookup and now: load it again
+            cache.finished(loaded)
+            loaded = cache.get(submission.model)
+            cache.started(loaded)
+            future = hand_over(loaded.engine)
     except BaseException:
         cache.finished(loaded)
         raise

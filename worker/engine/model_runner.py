@@ -78,6 +78,31 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+class TorchOps:
+    """The fused kernels' interface (triton_kernels.py) in plain torch ops with transformers' exact arithmetic, so
+    one decoder implementation serves cpu and the devices without triton."""
+
+    def __init__(self, act):
+        self.act = act
+
+    @staticmethod
+    def rms_norm(x, w, eps, residual=None):
+        if residual is None:
+            return _rms(x, w, eps)
+        x = x + residual
+        return x, _rms(x, w, eps)
+
+    @staticmethod
+    def norm_rope(t, w, cos, sin, pos, eps):
+        if w is not None:
+            t = _rms(t, w, eps)
+        c, s = cos[pos][:, None, :], sin[pos][:, None, :]
+        return t * c + _rotate_half(t) * s
+
+    def silu_mul(self, g, u):
+        return self.act(g) * u
+
+
 def packed_attention(device: torch.device, dtype: torch.dtype, hq: int, hkv: int, head_dim: int,
                      scale: float) -> tuple[Callable | None, str | None]:
     """Causal attention over prompts packed end to end, so a prefill computes only real tokens, not padding.
@@ -275,9 +300,11 @@ def native_unsupported_reason(model, max_seq_len: int | None = None) -> str | No
 
 
 class NativeRunner:
-    """The forward passes of the native path (a part of Engine: it reads the engine's cache, buffers and
-    settings). Prefill writes prompts' keys and values into the cache and returns the last positions' logits;
-    a decode step reads ids_buf/pos_buf and writes logits_buf/next_buf, as a graph replay where graphs run."""
+    """The forward passes of the native path (a part of Engine: it reads the engine's paged cache, buffers and
+    settings). One decoder implementation (`_layers`) serves prefill and decode; `self._ops` is triton_kernels or
+    TorchOps. Keys and values go into the paged cache at flat indices (block * block_size + offset): prefill's come
+    from the host's block tables, decode's from the device copy (`block_tables`, one row per decode row, rows that
+    are not decoding all pointing at the scratch block)."""
 
     def _lin(self, x, spec, mask):
         w, b, lora = spec
@@ -286,89 +313,52 @@ class NativeRunner:
             y = y + F.linear(F.linear(x, lora[0]) * mask, lora[1])
         return y
 
-    def _prefill_forward(self, ids: torch.Tensor, slots: torch.Tensor, start: int,
-                         last: torch.Tensor | None) -> torch.Tensor | None:
-        """Prompt tokens ids [n, L] at positions start..start+L-1 of cache slots `slots`; writes the KV cache.
-        Returns float32 logits [n, V] at positions `last` (indices into L), or None."""
-        if self._tri is not None:
-            return self._prefill_forward_fused(ids, slots, start, last)
-        n, L = ids.shape
-        nat = self.nat
-        hq, hkv, d = nat.hq, nat.hkv, nat.head_dim
-        Lmax = self.max_seq_len
-        x = nat.embed_ids(ids)
-        cos = self.cos[start:start + L][None, None]
-        sin = self.sin[start:start + L][None, None]
-        mask = self.lora_mask.index_select(0, slots)[:, None, :] if nat.lora_rank else None
-        idx = ((slots[:, None, None] * hkv + self.head_ar[None, :, None]) * Lmax
-               + (start + self.len_ar[:L])[None, None, :]).reshape(-1)
-        attn_mask = None
-        if start > 0:
-            q_pos = start + self.len_ar[:L]
-            attn_mask = self.len_ar[:start + L][None, :] <= q_pos[:, None]
+    def _layers(self, x: torch.Tensor, mask, pos: torch.Tensor, kv_index: torch.Tensor,
+                attend: Callable) -> torch.Tensor:
+        """The decoder layers over token rows x [T, hidden] at positions pos [T]; each layer's keys and values go
+        into the cache at kv_index [T], and attend(layer_index, q, k, v) ([T, heads, head_dim] each) returns the
+        attention output [T, hq * head_dim]. Returns the final-normed hidden states [T, hidden]."""
+        nat, ops = self.nat, self._ops
+        d = nat.head_dim
+        rows = x.shape[0]
+        h = ops.rms_norm(x, nat.layers[0].ln1, nat.eps)
+        n_layers = len(nat.layers)
         for li, layer in enumerate(nat.layers):
-            kc = self.cache[li, 0]
-            vc = self.cache[li, 1]
-            h = _rms(x, layer.ln1, nat.eps)
-            q = self._lin(h, layer.lin["q_proj"], mask).view(n, L, hq, d)
-            k = self._lin(h, layer.lin["k_proj"], mask).view(n, L, hkv, d)
-            v = self._lin(h, layer.lin["v_proj"], mask).view(n, L, hkv, d)
-            if layer.q_norm is not None:
-                q = _rms(q, layer.q_norm, nat.eps)
-                k = _rms(k, layer.k_norm, nat.eps)
-            q = q.transpose(1, 2)
-            k = k.transpose(1, 2)
-            v = v.transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            kc.view(-1, d).index_copy_(0, idx, k.reshape(-1, d))
-            vc.view(-1, d).index_copy_(0, idx, v.reshape(-1, d))
-            if start == 0:
-                a = F.scaled_dot_product_attention(q, k, v, is_causal=L > 1, scale=nat.scaling,
-                                                   enable_gqa=hq != hkv)
-            else:
-                K = kc[slots, :, :start + L]
-                V = vc[slots, :, :start + L]
-                a = F.scaled_dot_product_attention(q, K, V, attn_mask=attn_mask, scale=nat.scaling,
-                                                   enable_gqa=hq != hkv)
-            a = a.transpose(1, 2).reshape(n, L, hq * d)
-            x = x + self._lin(a, layer.lin["o_proj"], mask)
-            h = _rms(x, layer.ln2, nat.eps)
-            g = nat.act(self._lin(h, layer.lin["gate_proj"], mask)) * self._lin(h, layer.lin["up_proj"], mask)
-            x = x + self._lin(g, layer.lin["down_proj"], mask)
-        if last is None:
-            return None
-        xl = x[torch.arange(n, device=x.device), last]
-        return F.linear(_rms(xl, nat.norm, nat.eps), nat.lm_head, nat.lm_bias).float()
+            q = ops.norm_rope(self._lin(h, layer.lin["q_proj"], mask).view(rows, nat.hq, d), layer.q_norm,
+                              self.cos, self.sin, pos, nat.eps)
+            k = ops.norm_rope(self._lin(h, layer.lin["k_proj"], mask).view(rows, nat.hkv, d), layer.k_norm,
+                              self.cos, self.sin, pos, nat.eps)
+            v = self._lin(h, layer.lin["v_proj"], mask).view(rows, nat.hkv, d)
+            self.cache[li, 0].view(-1, nat.hkv, d).index_copy_(0, kv_index, k)
+            self.cache[li, 1].view(-1, nat.hkv, d).index_copy_(0, kv_index, v)
+            a = attend(li, q, k, v)
+            x, h = ops.rms_norm(x, layer.ln2, nat.eps, residual=self._lin(a, layer.lin["o_proj"], mask))
+            g = ops.silu_mul(self._lin(h, layer.lin["gate_proj"], mask), self._lin(h, layer.lin["up_proj"], mask))
+            w_next = nat.layers[li + 1].ln1 if li + 1 < n_layers else nat.norm
+            x, h = ops.rms_norm(x, w_next, nat.eps, residual=self._lin(g, layer.lin["down_proj"], mask))
+        return h
 
-    def _qkv_into_cache(self, h, layer, mask, pos, idx, kc, vc):
-        """The fused paths' attention inputs for the token rows of `h`: q and k normed and rotated at `pos`,
-        k and v written into this layer's cache at `idx`. Returns q, k, v as [rows, heads, head_dim]."""
-        nat, tri = self.nat, self._tri
-        rows, d = h.shape[0], nat.head_dim
-        q = tri.norm_rope(self._lin(h, layer.lin["q_proj"], mask).view(rows, nat.hq, d), layer.q_norm, self.cos,
-                          self.sin, pos, nat.eps)
-        k = tri.norm_rope(self._lin(h, layer.lin["k_proj"], mask).view(rows, nat.hkv, d), layer.k_norm, self.cos,
-                          self.sin, pos, nat.eps)
-        v = self._lin(h, layer.lin["v_proj"], mask).view(rows, nat.hkv, d)
-        kc.view(-1, d).index_copy_(0, idx, k.view(-1, d))
-        vc.view(-1, d).index_copy_(0, idx, v.view(-1, d))
-        return q, k, v
+    def _gather_kv(self, li: int, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `length` keys and values of the sequences whose block tables are the rows of blocks [n, nb],
+        as [n, kv_heads, length, head_dim]."""
+        n, nb = blocks.shape
+        shape = (n, nb * self.block_size, self.nat.hkv, self.nat.head_dim)
+        k = self.cache[li, 0][blocks].view(shape)[:, :length].transpose(1, 2)
+        v = self.cache[li, 1][blocks].view(shape)[:, :length].transpose(1, 2)
+        return k, v
 
-    def _prefill_forward_fused(self, ids: torch.Tensor, slots: torch.Tensor, start: int,
-                               last: torch.Tensor | None) -> torch.Tensor | None:
-        """_prefill_forward with the Triton kernels (token-major layout, no transposes before the cache write)."""
-        nat, tri = self.nat, self._tri
+    def _prefill_forward(self, ids: torch.Tensor, kv_index: torch.Tensor, rows: torch.Tensor, start: int,
+                         last: torch.Tensor | None, blocks: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Prompt tokens ids [n, L] at positions start..start+L-1 (right-padded: causal attention keeps padding out
+        of real tokens), their keys and values written at kv_index [n * L]; rows [n] are the decode rows whose
+        adapters apply. start > 0 (a later chunk of one prompt) attends to the cache through blocks [1, nb].
+        Returns float32 logits [n, V] at positions `last` (indices into L), or None."""
+        nat = self.nat
         n, L = ids.shape
         T = n * L
         hq, hkv, d = nat.hq, nat.hkv, nat.head_dim
-        Lmax = self.max_seq_len
         positions = start + self.len_ar[:L]
-        pos_tok = positions.repeat(n)
-        x = nat.embed_ids(ids.reshape(T))
-        mask = self.lora_mask.index_select(0, slots).repeat_interleave(L, dim=0) if nat.lora_rank else None
-        idx = ((slots[:, None, None] * hkv + self.head_ar[None, None, :]) * Lmax
-               + positions[None, :, None]).reshape(-1)
+        mask = self.lora_mask.index_select(0, rows).repeat_interleave(L, dim=0) if nat.lora_rank else None
         attn_mask = None
         if start > 0:
             attn_mask = self.len_ar[:start + L][None, :] <= positions[:, None]
@@ -380,43 +370,24 @@ class NativeRunner:
                                                    v.view(n, L, hkv, d).transpose(1, 2), is_causal=L > 1,
                                                    scale=nat.scaling, enable_gqa=hq != hkv)
             else:
-                a = F.scaled_dot_product_attention(q4, self.cache[li, 0, slots, :, :start + L],
-                                                   self.cache[li, 1, slots, :, :start + L], attn_mask=attn_mask,
-                                                   scale=nat.scaling, enable_gqa=hq != hkv)
+                K, V = self._gather_kv(li, blocks, start + L)
+                a = F.scaled_dot_product_attention(q4, K, V, attn_mask=attn_mask, scale=nat.scaling,
+                                                   enable_gqa=hq != hkv)
             return a.transpose(1, 2).reshape(T, hq * d)
 
-        x = self._fused_layers(x, mask, pos_tok, idx, attend)
+        h = self._layers(nat.embed_ids(ids.reshape(T)), mask, positions.repeat(n), kv_index, attend)
         if last is None:
             return None
-        xl = x.view(n, L, -1)[torch.arange(n, device=x.device), last]
-        return F.linear(tri.rms_norm(xl, nat.norm, nat.eps), nat.lm_head, nat.lm_bias).float()
-
-    def _fused_layers(self, x: torch.Tensor, mask, pos: torch.Tensor, idx: torch.Tensor,
-                      attend: Callable) -> torch.Tensor:
-        """The decoder layers over token rows x [T, hidden] with the Triton kernels; each layer's k and v go into
-        the cache at idx, and attend(layer_index, q, k, v) returns the attention output [T, hq * head_dim]."""
-        nat, tri = self.nat, self._tri
-        h = tri.rms_norm(x, nat.layers[0].ln1, nat.eps)
-        n_layers = len(nat.layers)
-        for li, layer in enumerate(nat.layers):
-            q, k, v = self._qkv_into_cache(h, layer, mask, pos, idx, self.cache[li, 0], self.cache[li, 1])
-            a = attend(li, q, k, v)
-            x, h = tri.rms_norm(x, layer.ln2, nat.eps, residual=self._lin(a, layer.lin["o_proj"], mask))
-            g = tri.silu_mul(self._lin(h, layer.lin["gate_proj"], mask), self._lin(h, layer.lin["up_proj"], mask))
-            down = self._lin(g, layer.lin["down_proj"], mask)
-            if li + 1 < n_layers:
-                x, h = tri.rms_norm(x, nat.layers[li + 1].ln1, nat.eps, residual=down)
-            else:
-                x = x + down
-        return x
+        hl = h.view(n, L, -1)[torch.arange(n, device=h.device), last]
+        return F.linear(hl, nat.lm_head, nat.lm_bias).float()
 
     def _prefill_packed(self, chunk: list[Sequence]) -> tuple[torch.Tensor, int]:
-        """_prefill_forward_fused for whole prompts packed end to end: rows are the prompts' tokens, each at its
-        own position and slot, and attention keeps every prompt to itself. Returns float32 logits [n, V] at each
-        prompt's last token, and the rows computed. With graphs, the rows are padded up to a captured size and the
-        prefill is one graph replay: run eagerly it is some 450 launches, host work that bounds it (about 25 ms on
-        an H200's host)."""
-        T = sum(s.prompt_len for s in chunk)
+        """Whole prompts packed end to end: rows are the prompts' tokens, each at its own position, cache index and
+        decode row, and attention keeps every prompt to itself. Returns float32 logits [n, V] at each prompt's last
+        token, and the rows computed. With graphs, the rows are padded up to a captured size and the prefill is one
+        graph replay: run eagerly it is some 450 launches, host work that bounds it (about 25 ms on an H200's
+        host)."""
+        T = sum(s.target for s in chunk)
         size = next(b for b in self._prefill_sizes() if b >= T) if self._graph_prefill else T
         self._stage_rows(chunk, size)
         if self._graph_prefill:
@@ -438,17 +409,20 @@ class NativeRunner:
 
     def _stage_rows(self, chunk: list[Sequence], size: int) -> None:
         """Packed prefill's inputs for `chunk` into the static buffers, padded to `size` rows: padding rows are
-        token 0 in the spare slot, in pieces no longer than a prompt may be."""
-        lens = [s.prompt_len for s in chunk]
-        T, L = sum(lens), self.max_seq_len
+        token 0 written into the scratch block, in pieces no longer than a prompt may be."""
+        lens = [s.target for s in chunk]
+        T, L, bs = sum(lens), self.max_seq_len, self.block_size
         pad = size - T
-        rows = torch.empty(3, size, dtype=torch.int64)
-        rows[:, T:] = torch.stack([torch.zeros(pad, dtype=torch.int64), torch.arange(pad) % L,
-                                   torch.full((pad,), self.num_slots)])
+        rows = torch.empty(4, size, dtype=torch.int64)
+        pad_pos = torch.arange(pad) % L
+        rows[:, T:] = torch.stack([torch.zeros(pad, dtype=torch.int64), pad_pos,
+                                   torch.full((pad,), self.num_slots),
+                                   self.blocks.scratch_block * bs + pad_pos % bs])
         if chunk:
-            rows[0, :T] = torch.tensor([t for s in chunk for t in s.req.prompt_ids])
+            rows[0, :T] = torch.tensor([t for s in chunk for t in s.ids()[:s.target]])
             rows[1, :T] = torch.cat([torch.arange(n) for n in lens])
             rows[2, :T] = torch.repeat_interleave(torch.tensor([s.slot for s in chunk]), torch.tensor(lens))
+            rows[3, :T] = torch.tensor([i for s in chunk for i in self._kv_indices(s, 0, s.target)])
         pieces = lens + [L] * (pad // L) + ([pad % L] if pad % L else [])
         cu = torch.full((self._pf_seqs + 1,), size, dtype=torch.int32)
         cu[0] = 0
@@ -458,19 +432,22 @@ class NativeRunner:
         self._pf_rows[:, :size].copy_(rows, non_blocking=True)
         self._pf_cu.copy_(cu, non_blocking=True)
 
+    def _kv_indices(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Flat cache indices of positions [start, end) of seq (its blocks must cover them)."""
+        table, bs = self.blocks.table(seq), self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
     def _prefill_packed_body(self, size: int) -> None:
         """Packed prefill over the first `size` staged rows: writes the KV cache, and the logits at the end of each
         of the first PREFILL_PROMPTS pieces into _pf_logits."""
         nat = self.nat
-        ids, pos, slot = self._pf_rows[0, :size], self._pf_rows[1, :size], self._pf_rows[2, :size]
-        idx = ((slot[:, None] * nat.hkv + self.head_ar[None, :]) * self.max_seq_len + pos[:, None]).reshape(-1)
-        mask = self.lora_mask.index_select(0, slot) if nat.lora_rank else None
+        ids, pos, row, kv_index = (self._pf_rows[i, :size] for i in range(4))
+        mask = self.lora_mask.index_select(0, row) if nat.lora_rank else None
         width = nat.hq * nat.head_dim
-        x = self._fused_layers(nat.embed_ids(ids), mask, pos, idx,
-                               lambda li, q, k, v: self._packed(q, k, v, self._pf_cu,
-                                                                self.max_seq_len).reshape(size, width))
-        xl = x.index_select(0, self._pf_cu[1:PREFILL_PROMPTS + 1].long() - 1)
-        self._pf_logits.copy_(F.linear(self._tri.rms_norm(xl, nat.norm, nat.eps), nat.lm_head, nat.lm_bias))
+        h = self._layers(nat.embed_ids(ids), mask, pos, kv_index,
+                         lambda li, q, k, v: self._packed(q, k, v, self._pf_cu, self.max_seq_len).reshape(size, width))
+        hl = h.index_select(0, self._pf_cu[1:PREFILL_PROMPTS + 1].long() - 1)
+        self._pf_logits.copy_(F.linear(hl, nat.lm_head, nat.lm_bias))
 
     def _prefill_graph(self, size: int):
         key = ("prefill", size)
@@ -479,77 +456,38 @@ class NativeRunner:
         return self._graphs[key]
 
     def _decode_body(self, B: int, Lb: int) -> None:
-        """One decode step for slots [0, B): reads ids_buf/pos_buf, writes the KV cache, logits_buf and next_buf.
-        Side effects other than those outputs are idempotent, so warm-up runs before a capture are harmless."""
+        """One decode step for rows [0, B): reads ids_buf/pos_buf/block_tables, writes the KV cache, logits_buf and
+        next_buf. Side effects other than those outputs are idempotent, so warm-up runs before a capture are
+        harmless. The Triton kernel reads each row's own length through its block table (Lb unused); the torch
+        path gathers the first Lb positions of every row's blocks and masks those past its length."""
+        nat = self.nat
+        hq, hkv, d, bs = nat.hq, nat.hkv, nat.head_dim, self.block_size
+        G = hq // hkv
+        pos = self.pos_buf[:B].clamp(max=self.max_seq_len - 1)
+        tables = self.block_tables[:B]
+        kv_index = tables.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+        mask = self.lora_mask[:B] if nat.lora_rank else None
         if self._tri is not None:
-            return self._decode_body_fused(B)
-        nat = self.nat
-        hq, hkv, d = nat.hq, nat.hkv, nat.head_dim
-        G = hq // hkv
-        Lmax = self.max_seq_len
-        pos = self.pos_buf[:B].clamp(max=Lmax - 1)
-        x = nat.embed_ids(self.ids_buf[:B])
-        cos = self.cos[pos][:, None, :]
-        sin = self.sin[pos][:, None, :]
-        idx = ((self.slot_ar[:B, None] * hkv + self.head_ar[None, :]) * Lmax + pos[:, None]).reshape(-1)
-        valid = self.len_ar[:Lb][None, :] <= pos[:, None]
-        addmask = torch.zeros(B, Lb, dtype=x.dtype, device=x.device).masked_fill(~valid, float("-inf"))
-        addmask = addmask[:, None, None, :]
-        mask = self.lora_mask[:B] if nat.lora_rank else None
-        for li, layer in enumerate(nat.layers):
-            kc = self.cache[li, 0]
-            vc = self.cache[li, 1]
-            h = _rms(x, layer.ln1, nat.eps)
-            q = self._lin(h, layer.lin["q_proj"], mask).view(B, hq, d)
-            k = self._lin(h, layer.lin["k_proj"], mask).view(B, hkv, d)
-            v = self._lin(h, layer.lin["v_proj"], mask).view(B, hkv, d)
-            if layer.q_norm is not None:
-                q = _rms(q, layer.q_norm, nat.eps)
-                k = _rms(k, layer.k_norm, nat.eps)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            kc.view(-1, d).index_copy_(0, idx, k.reshape(-1, d))
-            vc.view(-1, d).index_copy_(0, idx, v.reshape(-1, d))
-            qg = q.view(B, hkv, G, d)  # the query heads of one KV head share its keys: no repeat_kv copy
-            K = kc[:B, :, :Lb].reshape(B * hkv, Lb, d)
-            V = vc[:B, :, :Lb].reshape(B * hkv, Lb, d)
-            s = torch.bmm(qg.reshape(B * hkv, G, d), K.transpose(1, 2)).view(B, hkv, G, Lb)
-            s = s * nat.scaling + addmask
-            p = torch.softmax(s, dim=-1, dtype=torch.float32).to(x.dtype)
-            a = torch.bmm(p.view(B * hkv, G, Lb), V).reshape(B, hq * d)
-            x = x + self._lin(a, layer.lin["o_proj"], mask)
-            h = _rms(x, layer.ln2, nat.eps)
-            g = nat.act(self._lin(h, layer.lin["gate_proj"], mask)) * self._lin(h, layer.lin["up_proj"], mask)
-            x = x + self._lin(g, layer.lin["down_proj"], mask)
-        self._logits_and_greedy(_rms(x, nat.norm, nat.eps), B)
+            lens = (pos + 1).to(torch.int32)
 
-    def _decode_body_fused(self, B: int) -> None:
-        """_decode_body with the Triton kernels: ~15 kernels a layer instead of ~50."""
-        nat, tri = self.nat, self._tri
-        hq, hkv, d = nat.hq, nat.hkv, nat.head_dim
-        G = hq // hkv
-        Lmax = self.max_seq_len
-        pos = self.pos_buf[:B].clamp(max=Lmax - 1)
-        lens = pos + 1
-        x = nat.embed_ids(self.ids_buf[:B])
-        h = tri.rms_norm(x, nat.layers[0].ln1, nat.eps)
-        idx = ((self.slot_ar[:B, None] * hkv + self.head_ar[None, :]) * Lmax + pos[:, None]).reshape(-1)
-        mask = self.lora_mask[:B] if nat.lora_rank else None
-        n_layers = len(nat.layers)
-        for li, layer in enumerate(nat.layers):
-            kc, vc = self.cache[li, 0], self.cache[li, 1]
-            q, _, _ = self._qkv_into_cache(h, layer, mask, pos, idx, kc, vc)
-            a = tri.decode_attention(q.view(B, hkv, G, d), kc, vc, lens, nat.scaling).view(B, hq * d)
-            x, h = tri.rms_norm(x, layer.ln2, nat.eps, residual=self._lin(a, layer.lin["o_proj"], mask))
-            g = tri.silu_mul(self._lin(h, layer.lin["gate_proj"], mask), self._lin(h, layer.lin["up_proj"], mask))
-            w_next = nat.layers[li + 1].ln1 if li + 1 < n_layers else nat.norm
-            x, h = tri.rms_norm(x, w_next, nat.eps, residual=self._lin(g, layer.lin["down_proj"], mask))
-        self._logits_and_greedy(h, B)
+            def attend(li, q, k, v):
+                return self._tri.paged_decode_attention(q.view(B, hkv, G, d), self.cache[li, 0], self.cache[li, 1],
+                                                        tables, lens, nat.scaling).view(B, hq * d)
+        else:
+            nb = -(-Lb // bs)
+            Lt = nb * bs
+            valid = self.len_ar[:Lt][None, :] <= pos[:, None]
+            addmask = torch.zeros(B, Lt, dtype=self.cache.dtype, device=self.device)
+            addmask = addmask.masked_fill(~valid, float("-inf"))[:, None, None, :]
 
-    def _logits_and_greedy(self, h: torch.Tensor, B: int) -> None:
-        """The decode step's tail, into the graph's static buffers: logits of the final-normed hidden states `h`
-        for slots [0, B), and their greedy tokens."""
-        nat = self.nat
+            def attend(li, q, k, v):
+                K, V = self._gather_kv(li, tables[:, :nb], Lt)
+                qg = q.view(B * hkv, G, d)  # the query heads of one KV head share its keys: no repeat_kv copy
+                s = torch.bmm(qg, K.reshape(B * hkv, Lt, d).transpose(1, 2)).view(B, hkv, G, Lt)
+                p = torch.softmax(s * nat.scaling + addmask, dim=-1, dtype=torch.float32).to(q.dtype)
+                return torch.bmm(p.view(B * hkv, G, Lt), V.reshape(B * hkv, Lt, d)).reshape(B, hq * d)
+
+        h = self._layers(nat.embed_ids(self.ids_buf[:B]), mask, pos, kv_index, attend)
         out = self.logits_buf[:B]
         if nat.lm_bias is None:
             torch.mm(h, nat.lm_head.t(), out=out)
@@ -576,6 +514,7 @@ class NativeRunner:
             return False
         log.warning("engine: triton kernels failed (%s: %s); using torch ops", type(e).__name__, e)
         self._tri = None
+        self._ops = TorchOps(self.nat.act)
         self._packed = None
         self._graph_prefill = False
         self.attention = "torch"
@@ -609,4 +548,3 @@ class NativeRunner:
                     Lb = Lb or self.max_seq_len
                     continue
                 raise
-

@@ -68,6 +68,10 @@ class EngineClosed(RuntimeError):
     pass
 
 
+class EngineMemoryError(ValueError):
+    """The engine's memory budget cannot hold one request of its longest length next to its workspace."""
+
+
 class RequestFailed(Exception):
     """A request that cannot be served; `code` is the OpenAI-style error code the client sees."""
 

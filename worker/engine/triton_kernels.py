@@ -1,10 +1,11 @@
-"""Decode attention as one Triton kernel, for the engine (model_runner.py) on cuda and xpu.
+"""Decode attention over the paged KV cache as one Triton kernel, for the engine (model_runner.py) on cuda and xpu.
 
-Each program handles one (request row, KV head) pair and walks only that row's own cache length, with an online
-softmax (flash-decoding without splits). The query heads that share a KV head (GQA) are packed into the rows of one
-tl.dot, so each key and value is read once. Compared with the torch path (batched matmuls over a length bucket,
-i.e. the longest row of the batch rounded up) this reads about half as many KV bytes when prompt lengths vary,
-and the captured graph no longer depends on the length, so one graph per batch size is enough.
+Each program handles one (request row, KV head) pair and walks only that row's own cache length through its block
+table (the blocks its positions live in), with an online softmax (flash-decoding without splits). The query heads
+that share a KV head (GQA) are packed into the rows of one tl.dot, so each key and value is read once. Compared
+with the torch path (gathering every row's blocks up to a length bucket, i.e. the longest row of the batch rounded
+up) this reads about half as many KV bytes when prompt lengths vary, and the captured graph no longer depends on
+the length, so one graph per batch size is enough.
 
 Import fails without triton; the engine then keeps the torch path.
 """
@@ -15,10 +16,10 @@ import triton.language as tl
 
 
 @triton.jit
-def _decode_attention_kernel(Q, K, V, O, Lens, scale,
-                             s_qb, s_qh, s_qg, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ob, s_oh, s_og,
-                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                             IEEE: tl.constexpr):
+def _paged_decode_kernel(Q, K, V, O, Lens, Tables, scale,
+                         s_qb, s_qh, s_qg, s_kblk, s_kl, s_kh, s_vblk, s_vl, s_vh, s_ob, s_oh, s_og, s_tb,
+                         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                         IEEE: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     length = tl.load(Lens + b)
@@ -30,12 +31,15 @@ def _decode_attention_kernel(Q, K, V, O, Lens, scale,
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
-    k_base = K + b * s_kb + h * s_kh
-    v_base = V + b * s_vb + h * s_vh
+    table = Tables + b * s_tb
     for start in range(0, length, BLOCK_N):
         n = start + offs_n
         nmask = n < length
-        k = tl.load(k_base + n[:, None] * s_kl + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        # position n lives at offset n % BS of block table[n // BS]
+        blk = tl.load(table + n // BS, mask=nmask, other=0).to(tl.int64)
+        off = n % BS
+        k = tl.load(K + blk[:, None] * s_kblk + off[:, None] * s_kl + h * s_kh + offs_d[None, :],
+                    mask=nmask[:, None], other=0.0)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -45,7 +49,8 @@ def _decode_attention_kernel(Q, K, V, O, Lens, scale,
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + n[:, None] * s_vl + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        v = tl.load(V + blk[:, None] * s_vblk + off[:, None] * s_vl + h * s_vh + offs_d[None, :],
+                    mask=nmask[:, None], other=0.0)
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -61,19 +66,21 @@ def supported(head_dim: int, groups: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and groups <= 64
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                     scale: float, block_n: int = 64) -> torch.Tensor:
-    """q [B, Hkv, G, D] (the G query heads of each KV head); k_cache, v_cache [S >= B, Hkv, Lmax, D], row b
-    attending to its first lengths[b] positions. Returns [B, Hkv, G, D] in q's dtype."""
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                           lengths: torch.Tensor, scale: float, block_n: int = 64) -> torch.Tensor:
+    """q [B, Hkv, G, D] (the G query heads of each KV head); k_cache, v_cache [blocks, block_size, Hkv, D];
+    tables [>= B, max_blocks] the block table of each row, row b attending to its first lengths[b] positions.
+    Returns [B, Hkv, G, D] in q's dtype."""
     B, hkv, G, D = q.shape
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     out = torch.empty_like(q)
     gp = max(16, triton.next_power_of_2(G))
-    _decode_attention_kernel[(B, hkv)](
-        q, k_cache, v_cache, out, lengths, scale,
+    _paged_decode_kernel[(B, hkv)](
+        q, k_cache, v_cache, out, lengths, tables, scale,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        G=G, GP=gp, D=D, BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+        tables.stride(0), G=G, GP=gp, D=D, BS=k_cache.shape[1], BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+        num_warps=4, num_stages=2)
     return out
 
 

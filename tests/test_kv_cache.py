@@ -1,0 +1,104 @@
+"""The paged KV cache's block manager and the scheduler's decisions (pure logic, no model): allocation, freeing,
+preemption and resumption, chunked prefill under a token budget."""
+
+import concurrent.futures
+from collections import deque
+
+import pytest
+
+from worker.engine.kv_cache import BlockManager
+from worker.engine.requests import GenerationRequest, SamplingParams
+from worker.engine.scheduler import Scheduler, Sequence
+
+
+def seq(n_prompt: int, name: str = "r") -> Sequence:
+    s = Sequence(GenerationRequest(name, list(range(n_prompt)), SamplingParams(max_new_tokens=100)),
+                 concurrent.futures.Future())
+    s.target = n_prompt
+    return s
+
+
+def test_blocks_are_taken_as_needed_and_given_back():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a, b = object(), object()
+    assert bm.ensure(a, 5) is not None and len(bm.table(a)) == 2  # 5 positions: 2 blocks of 4
+    assert bm.ensure(a, 8) == [] and bm.num_used == 2  # still covered
+    assert len(bm.ensure(a, 9)) == 1 and bm.num_free == 3
+    assert bm.ensure(b, 16) is None and not bm.holds(b) and bm.num_free == 3  # too few: nothing taken
+    assert bm.ensure(b, 12) is not None and bm.num_free == 0
+    assert len(set(bm.table(a)) | set(bm.table(b))) == 6  # no block given twice
+    t = bm.table(a)
+    assert bm.slot(a, 0) == t[0] * 4 and bm.slot(a, 6) == t[1] * 4 + 2
+    assert bm.release(a) == 3 and bm.num_free == 3 and not bm.holds(a)
+    assert bm.release(a) == 0  # twice is harmless
+    assert bm.scratch_block == 6 and bm.capacity_tokens == 24
+    with pytest.raises(ValueError):
+        BlockManager(0, 16)
+
+
+def test_decode_preempts_the_youngest_until_the_rest_fit():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    sched = Scheduler(bm, token_budget=64, max_prompts=8, packed=True)
+    old, mid, young = seq(4, "old"), seq(4, "mid"), seq(3, "young")
+    for order, s in enumerate((old, mid, young)):
+        s.order = order
+        s.cache_len = s.target
+        assert bm.ensure(s, s.target) is not None
+    assert bm.num_free == 1
+    # old and mid each need a new block for position 4, young still has room in its block
+    victims = sched.reserve_decode([old, mid, young], [old, mid, young])
+    assert victims == [young]  # its block went to mid
+    assert not bm.holds(young) and len(bm.table(old)) == 2 and len(bm.table(mid)) == 2
+    # a sequence that is the youngest holder preempts itself rather than an older one
+    old.cache_len, mid.cache_len = 8, 8
+    assert sched.reserve_decode([old, mid], [old, mid]) == [mid]
+    assert len(bm.table(old)) == 3 and not bm.holds(mid)
+
+
+def test_prefill_admits_by_free_blocks_in_arrival_order():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    sched = Scheduler(bm, token_budget=100, max_prompts=8, packed=True)
+    queue = deque([seq(8, "a"), seq(12, "b"), seq(40, "c"), seq(4, "d")])
+    plan = sched.plan_prefill(None, lambda: queue.popleft() if queue else None, queue.appendleft, free_rows=8)
+    # a (2 blocks) and b (3) fit; c needs 10 of the 5 left (less the watermark): it waits, and d behind it too
+    assert [s.req.request_id for s in plan.whole] == ["a", "b"] and plan.chunk is None
+    assert [s.req.request_id for s in queue] == ["c", "d"] and bm.num_used == 5
+    plan = sched.plan_prefill(None, lambda: queue.popleft() if queue else None, queue.appendleft, free_rows=1)
+    assert plan.whole == [] and [s.req.request_id for s in queue] == ["c", "d"]  # still no room for c
+
+
+def test_long_prompt_is_prefilled_in_chunks_of_the_token_budget():
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(bm, token_budget=16, max_prompts=8, packed=True)
+    long, short = seq(40, "long"), seq(6, "short")
+    queue = deque([long, short])
+    take = lambda: queue.popleft() if queue else None  # noqa: E731
+    plan = sched.plan_prefill(None, take, queue.appendleft, free_rows=4)
+    assert plan.whole == [] and plan.chunk == (long, 0, 16)  # alone, first chunk
+    assert len(bm.table(long)) == 4 and [s.req.request_id for s in queue] == ["short"]
+    chunks = [plan.chunk]
+    long.slot, long.cache_len = 0, 16
+    while long.prefilling:  # the engine runs one chunk per step, each step also decoding the running batch
+        plan = sched.plan_prefill(long, take, queue.appendleft, free_rows=3)
+        assert plan.whole == [] and plan.chunk[0] is long
+        chunks.append(plan.chunk)
+        long.cache_len = plan.chunk[2]
+    assert [(a, b) for _, a, b in chunks] == [(0, 16), (16, 32), (32, 40)]
+    assert len(bm.table(long)) == 10
+    plan = sched.plan_prefill(None, take, queue.appendleft, free_rows=3)
+    assert plan.whole == [short]  # then the queue moves on
+
+
+def test_padded_prefill_counts_rows_times_the_longest():
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(bm, token_budget=30, max_prompts=8, packed=False)
+    queue = deque([seq(10, "a"), seq(12, "b"), seq(3, "c")])
+    plan = sched.plan_prefill(None, lambda: queue.popleft() if queue else None, queue.appendleft, free_rows=8)
+    assert [s.req.request_id for s in plan.whole] == ["a", "b"]  # a + b padded: 24; with c: 36 > 30
+    assert [s.req.request_id for s in queue] == ["c"]
+
+
+def test_resumed_sequence_recomputes_prompt_and_output():
+    s = seq(5)
+    s.out = [7, 8, 9]
+    assert s.ids() == [0, 1, 2, 3, 4, 7, 8, 9]
