@@ -19,8 +19,8 @@ from contract.settings import Settings
 
 TERMINAL = {"completed", "failed", "cancelled", "incomplete"}
 # A failed request's code -> the status the caller gets; anything else is a server error.
-STATUS_OF = {"invalid_prompt": 400, "invalid_value": 400, "unsupported_attention": 400, "kernels_unavailable": 400,
-             "model_not_found": 404, "model_capacity": 503}
+STATUS_OF = {"invalid_prompt": 400, "invalid_value": 400, "context_length_exceeded": 400, "unsupported_attention": 400,
+             "kernels_unavailable": 400, "model_not_found": 404, "model_capacity": 503}
 
 
 # No tokenizer puts more than this many UTF-8 bytes in one token on average, so a prompt over

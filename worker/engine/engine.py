@@ -347,7 +347,9 @@ class Engine(NativeRunner):
         self._block_stats()
 
     def _block_stats(self) -> None:
-        self.stats.update(kv_blocks_used=self.blocks.num_used, kv_blocks_free=self.blocks.num_free)
+        """Gauges of the moment (the counters only grow): cache blocks, requests holding a decode row, waiting."""
+        self.stats.update(kv_blocks_used=self.blocks.num_used, kv_blocks_free=self.blocks.num_free,
+                          running=sum(s is not None for s in self._slots), waiting=len(self._waiting))
 
     def _refresh_lora_masks(self) -> None:
         self.lora_mask = torch.zeros(self.num_slots + 1, max(1, self.nat.lora_rank), dtype=self.cache.dtype,
@@ -435,19 +437,6 @@ class Engine(NativeRunner):
             self._cv.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join()
-
-    def close_if_idle(self) -> bool:
-        """Close the engine if no request is waiting or running, atomically with submit (which then raises
-        EngineClosed); False, and nothing changes, when it is busy."""
-        with self.model_lock, self._cv:  # the model lock: no step is half done
-            if self._closed:
-                return True
-            if self._has_work():
-                return False
-            self._closed = True
-            self._cv.notify()
-        self.close()
-        return True
 
     def update_model(self, model) -> None:
         """Use `model` from the next step on (e.g. the base wrapped in a PeftModel, or after load_adapter /

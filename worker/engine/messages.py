@@ -59,6 +59,12 @@ class ReportRequest:
 
 
 @dataclass
+class ReleaseIdle:
+    """Evict every idle model: something else (a fine-tune) is about to need the device's memory."""
+    call_id: int
+
+
+@dataclass
 class Close:
     pass
 
@@ -82,6 +88,12 @@ class Failed:
     code: str
     message: str
     param: str | None = None
+
+
+@dataclass
+class Released:
+    call_id: int
+    models: list[str]  # the bases evicted
 
 
 @dataclass

@@ -6,7 +6,8 @@ Several models on one device share it: each new engine sizes its KV cache from t
 (XPUJOBS_ENGINE_MEMORY_FRACTION of it), so a later model gets what the earlier ones left. When that is too little
 for one request (or the weights do not fit), an idle model (no request running) is evicted, least recently used
 first, and the load tried again; when every loaded model is serving requests, the load is refused (model_capacity,
-retryable). An engine with requests is never closed under them."""
+retryable). An engine with requests is never closed under them. A fine-tune about to start on the node has every
+idle model evicted first (release_idle)."""
 
 import gc
 import threading

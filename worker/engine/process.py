@@ -32,6 +32,8 @@ from worker.engine.messages import (
     Failed,
     Finished,
     Generate,
+    Released,
+    ReleaseIdle,
     Report,
     ReportRequest,
     Submission,
@@ -41,6 +43,8 @@ from worker.engine.requests import EngineProcessExited, GenerationDelta, Generat
 # The heartbeat waits this long for the child's report, then publishes the last one it had: the heartbeat also
 # keeps the node in the registry, and a child still starting (importing torch) answers only seconds later.
 REPORT_TIMEOUT_SECONDS = 0.5
+# How long a fine-tune waits for the engine process to evict its idle models before starting anyway.
+RELEASE_TIMEOUT_SECONDS = 30.0
 # Requests being prepared at once in the child (model load, adapter load) before they reach an engine; a load
 # blocks only the requests that need that model.
 PREPARE_THREADS = 8
@@ -135,6 +139,25 @@ class EngineHost:
             with self._lock:
                 self._reports.pop(call_id, None)
 
+    def release_idle(self) -> list[str]:
+        """Evict the engine process's idle models (no request waiting or running), so that a fine-tune about to
+        start has the device memory their engines held; busy ones stay. The bases evicted (none with no child)."""
+        future: Future = Future()
+        with self._lock:
+            if self._conn is None:
+                return []
+            conn, call_id = self._conn, next(self._call_ids)
+            self._reports[call_id] = future
+        try:
+            if not self._send(conn, ReleaseIdle(call_id)):
+                return []
+            return future.result(timeout=RELEASE_TIMEOUT_SECONDS)
+        except TimeoutError:
+            return []
+        finally:
+            with self._lock:
+                self._reports.pop(call_id, None)
+
     def close(self) -> None:
         with self._lock:
             conn, proc = self._conn, self._proc
@@ -180,6 +203,12 @@ class EngineHost:
                 future = self._reports.get(answer.call_id)
             if future is not None:
                 future.set_result(report)
+            return
+        if isinstance(answer, Released):
+            with self._lock:
+                future = self._reports.get(answer.call_id)
+            if future is not None:
+                future.set_result(answer.models)
             return
         if isinstance(answer, Delta):
             with self._lock:
@@ -285,6 +314,8 @@ def serve(conn: Connection, backend: str) -> None:
                 engine.cancel(message.request_id)
         elif isinstance(message, ReportRequest):
             send(Report(message.call_id, cache.report()))
+        elif isinstance(message, ReleaseIdle):
+            send(Released(message.call_id, cache.release_idle()))
         elif isinstance(message, Close):
             break
     cache.close()

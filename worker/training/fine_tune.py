@@ -52,6 +52,10 @@ def _train_in_child(node: Node, record: dict) -> dict:
     outcome_path = job_dir(node.settings.artifact_root, record["tenant"], job_id) / "outcome.json"
     outcome_path.unlink(missing_ok=True)
     processes = node.settings.training_processes or (len(node.devices) if node.backend != "cpu" else 1)
+    if node.backend != "cpu":  # idle inference engines hold most of the device's free memory: give it back
+        from worker.serving.inference import host_for
+
+        host_for(node).release_idle()
     child = subprocess.Popen(training_command(job_id, processes),
                              env={**os.environ, "XPUJOBS_NODE_PID": str(os.getpid())})
     asked_to_stop = False
