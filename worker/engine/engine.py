@@ -818,9 +818,9 @@ class Engine(NativeRunner):
         else:
             Lb = length_bucket(need, self.max_seq_len) if self.use_graphs else need
         self._run_decode(B, Lb)
+        rows = [(s.slot, s) for s in run]  # before the drain: a request it finishes gives its row back
         if any(s.logits is not None and s.logits.constrained for s in run):
             self._drain()  # a grammar's next mask needs the tokens of the step before
-        rows = [(s.slot, s) for s in run]
         toks = pick(self.logits_buf[:B], self.next_buf[:B], rows, [s.n_launched for s in run])
         self.ids_buf[:B].copy_(toks)
         self.pos_buf[:B] += 1
