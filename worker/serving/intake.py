@@ -15,8 +15,6 @@ from worker.serving.inference import run_request
 # How long one wait on the backend's list lasts before this node's own list is looked at again (requests routed
 # to this node alone are rare: only when not every node of the backend can hold the model).
 POLL_SECONDS = 0.05
-# Requests pulled in one round trip after the first of a burst.
-BURST = 32
 
 
 class Intake:
@@ -48,50 +46,26 @@ class Intake:
         while not self._stop.is_set():
             self.room.acquire()
             try:
-                items = [self.redis.lmove(self.own, self.taken, "RIGHT", "LEFT")
-                         or self.redis.blmove(self.shared, self.taken, POLL_SECONDS, "RIGHT", "LEFT")]
-                if items[0] is not None:
-                    items += self._more()
+                item = self.redis.lmove(self.own, self.taken, "RIGHT", "LEFT") or \
+                    self.redis.blmove(self.shared, self.taken, POLL_SECONDS, "RIGHT", "LEFT")
             except Exception as exc:  # a Redis blip: try again shortly
                 print(f"xpu-jobs intake: {exc}", flush=True)
-                items = [None]
+                item = None
                 time.sleep(1)
-            if items[0] is None or self._stop.is_set():
-                for item in items:
-                    if item is not None:  # stopping: leave it for another node
-                        self.redis.lmove(self.taken, self.shared, "LEFT", "RIGHT")
-                    self.room.release()
+            if item is None or self._stop.is_set():
+                if item is not None:  # stopping: leave it for another node
+                    self.redis.lmove(self.taken, self.shared, "LEFT", "RIGHT")
+                self.room.release()
                 continue
-            for item in items:
-                self.pool.submit(self._run, item)
-
-    def _more(self) -> list[str]:
-        """A burst's other requests at once, one round trip for as many as there is room for (up to BURST): pulled
-        one round trip each, 64 chats reached the engine over ~140 ms on an H200 host."""
-        slots = 0
-        while slots < BURST and self.room.acquire(blocking=False):
-            slots += 1
-        if not slots:
-            return []
-        pipe = self.redis.pipeline(transaction=False)
-        for _ in range(slots):
-            pipe.lmove(self.shared, self.taken, "RIGHT", "LEFT")
-        try:
-            got = [item for item in pipe.execute() if item is not None]
-        except Exception as exc:  # the first one still runs; these wait for the next pull
-            print(f"xpu-jobs intake: {exc}", flush=True)
-            got = []
-        for _ in range(slots - len(got)):
-            self.room.release()
-        return got
+            try:  # as a Celery task's arrival does: a node gone before claiming it leaves it to the reconciler
+                self.node.reserve(*item.split(":", 1))
+            except Exception as exc:
+                print(f"xpu-jobs intake: could not note the reservation of {item}: {exc}", flush=True)
+            self.pool.submit(self._run, item)
 
     def _run(self, item: str) -> None:
         try:
             kind, record_id = item.split(":", 1)
-            try:  # as a Celery task's arrival does: a node gone before claiming it leaves it to the reconciler
-                self.node.reserve(kind, record_id)
-            except Exception as exc:
-                print(f"xpu-jobs intake: could not note the reservation of {item}: {exc}", flush=True)
             run_request(self.node, kind, record_id)
         except Exception as exc:  # run_request records its own failures; this is Redis failing under it
             print(f"xpu-jobs intake: {item}: {exc!r}", flush=True)
