@@ -394,3 +394,19 @@ def test_model_spread_over_devices_uses_the_models_own_forward(tiny_dir):
     assert native_unsupported_reason(model) is None
     model.hf_device_map = {"model.embed_tokens": 0, "model.layers": 1, "lm_head": 0}
     assert "several devices" in native_unsupported_reason(model)
+
+
+def test_requests_with_the_same_prompt_start_share_its_blocks(model, tokenizer):
+    """A shared prompt start (a system prompt) is computed once: later requests take its cache blocks, and get
+    the same tokens as generate."""
+    rng = random.Random(15)
+    system = [rng.randrange(5, 300) for _ in range(40)]
+    ps = [system + [rng.randrange(5, 300) for _ in range(rng.randrange(2, 12))] for _ in range(6)]
+    refs = [reference(model, p) for p in ps]
+    with Engine(model, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=8, max_seq_len=128) as eng:
+        first = eng.generate([greedy(ps[0], 0)])
+        rest = eng.generate([greedy(p, i) for i, p in enumerate(ps[1:], 1)])
+        assert eng.stats["prefix_shared_tokens"] == 5 * 32  # two full blocks of 16 for each later request
+        assert eng.stats["prefill_tokens"] == sum(len(p) for p in ps) - 5 * 32
+    for r, ref in zip(first + rest, refs):
+        assert r.output_ids == ref

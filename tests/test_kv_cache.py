@@ -102,3 +102,28 @@ def test_resumed_sequence_recomputes_prompt_and_output():
     s = seq(5)
     s.out = [7, 8, 9]
     assert s.ids() == [0, 1, 2, 3, 4, 7, 8, 9]
+
+
+def test_registered_prefix_blocks_are_shared_and_kept_until_needed():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a, b, c = object(), object(), object()
+    prompt = list(range(10))  # two full blocks and two tokens
+    assert bm.match(None, prompt) == []
+    bm.ensure(a, 10)
+    bm.register(a, None, prompt, 10)
+    first_two = bm.table(a)[:2]
+    assert bm.match(None, prompt + [99]) == first_two
+    assert bm.match(None, prompt[:8]) == first_two[:1]  # at least one token is left to compute
+    assert bm.match("adapter", prompt) == []  # another adapter's keys and values differ
+    assert bm.match(None, [0, 1, 2, 7] + prompt[4:]) == []  # a block matches only after the same start
+    bm.share(b, first_two)
+    bm.ensure(b, 12)
+    assert bm.table(b)[:2] == first_two and bm.num_used == 4  # 3 of a's + 1 of b's own
+    bm.release(a)
+    assert bm.num_used == 3 and bm.match(None, prompt) == first_two  # b still holds them
+    bm.release(b)
+    assert bm.num_free == 6 and bm.match(None, prompt) == first_two  # free, and still there to share
+    bm.ensure(c, 16)  # empty blocks go first: the registered ones survive
+    assert bm.match(None, prompt) == first_two
+    bm.ensure(c, 24)  # the pool needs them now: forgotten
+    assert bm.match(None, prompt) == [] and bm.num_free == 0

@@ -29,6 +29,12 @@ consumes step k's tokens while the device runs step k+1 (a one-step lag), so the
 kernels or graph capture fail on a machine, the engine logs it and falls back (stats["kernels_error"],
 stats["graphs_error"]).
 
+Prefix sharing (kv_cache.py): full blocks of a computed prompt are registered by their tokens (and adapter); a later
+request starting with the same blocks takes them instead of computing them again (stats["prefix_shared_tokens"]).
+It is on where prefill runs right-padded (cpu, devices without torch's flash kernel), where attending to a cached
+prefix costs nothing extra; packed prefill (flash, prompts packed end to end, a graph per size) does not read
+cached prefixes yet, so it stays off there rather than trade the graph for an eager call.
+
 Memory: by default the cache and the workspace take `memory_fraction` (0.85) of the device memory free when the
 engine starts (after the weights; the graphs' temporaries are inside the workspace estimate); on cpu a fixed
 CPU_MEMORY_BYTES; `memory_budget_bytes` overrides both. The cache gets what the workspace estimate leaves, at most
@@ -154,7 +160,7 @@ class Engine(NativeRunner):
             "prefill_tokens": 0, "prefill_padded_tokens": 0, "prefill_seconds": 0.0, "graphs_captured": 0,
             "graph_capture_seconds": 0.0, "max_running": 0, "completed": 0, "errors": 0, "busy_seconds": 0.0,
             "peak_memory_bytes": 0, "peak_reserved_bytes": 0, "migrations": 0, "preemptions": 0,
-            "prefill_chunks": 0,
+            "prefill_chunks": 0, "prefix_shared_tokens": 0,
         }
         self._admissions = itertools.count()
         with self.model_lock:
@@ -835,12 +841,27 @@ class Engine(NativeRunner):
         return out
 
     def _take_one(self) -> Sequence | None:
+        """The next waiting request, its target set and the registered blocks of its prompt's start shared."""
         got = self.pop_waiting(1)
         if not got:
             return None
         seq = got[0]
         seq.target = seq.prompt_len + len(seq.out)
+        if self._shares_prefixes:
+            shared = self.blocks.match(seq.req.adapter, seq.ids()[:seq.target])
+            self.blocks.share(seq, shared)
+            seq.cache_len = len(shared) * self.block_size
         return seq
+
+    @property
+    def _shares_prefixes(self) -> bool:
+        """See the module docstring: packed prefill does not read cached prefixes yet."""
+        return self._packed is None
+
+    def _give_back(self, seq: Sequence) -> None:
+        self.blocks.release(seq)
+        seq.cache_len = 0
+        self.push_back([seq])
 
     def _prefill_step(self) -> None:
         partial = next((s for s in self._slots if s is not None and s.prefilling), None)
@@ -849,8 +870,7 @@ class Engine(NativeRunner):
                 if not self._waiting:
                     return
         self.scheduler.packed = self._packed is not None
-        plan = self.scheduler.plan_prefill(partial, self._take_one, lambda seq: self.push_back([seq]),
-                                           len(self._free))
+        plan = self.scheduler.plan_prefill(partial, self._take_one, self._give_back, len(self._free))
         admitted = plan.whole + ([plan.chunk[0]] if plan.chunk and plan.chunk[0] is not partial else [])
         if not admitted and plan.chunk is None:
             return
@@ -858,7 +878,7 @@ class Engine(NativeRunner):
         for seq in admitted:
             seq.slot = heapq.heappop(self._free)
             seq.order = next(self._admissions)
-            seq.cache_len = 0
+            self.stats["prefix_shared_tokens"] += seq.cache_len
             self._slots[seq.slot] = seq
             if self.nat.lora_rank:
                 self._set_mask_row(seq)
@@ -886,31 +906,46 @@ class Engine(NativeRunner):
                                            to_device([seq.slot], torch.int64, dev), start,
                                            to_device([end - start - 1], torch.int64, dev) if last else None, blocks)
             seq.cache_len = end
+            if self._shares_prefixes:
+                self.blocks.register(seq, seq.req.adapter, seq.ids(), end)
             self.stats["prefill_chunks"] += 1
             self._count_prefill(end - start, end - start)
             if last:
                 self._start_decoding([seq], logits)
             return
         chunk = plan.whole
-        lens = [s.target for s in chunk]
-        if self._packed is not None:
+        start = chunk[0].cache_len  # the same for all: what a shared prefix already holds
+        lens = [s.target - start for s in chunk]
+        if self._packed is not None and start == 0:
             logits, padded = self._prefill_packed(chunk)
-        else:
+        else:  # right-padded rows; after a shared prefix, attending to it through the block tables
             n, L = len(chunk), max(lens)
             ids = torch.zeros(n, L, dtype=torch.int64)
             index = torch.empty(n, L, dtype=torch.int64)
             scratch = self.blocks.scratch_block * bs
             for i, s in enumerate(chunk):
-                ids[i, :lens[i]] = torch.tensor(s.ids()[:lens[i]])
-                index[i] = torch.tensor(self._kv_indices(s, 0, lens[i]) + [scratch + t % bs for t in range(lens[i], L)])
+                ids[i, :lens[i]] = torch.tensor(s.ids()[start:s.target])
+                index[i] = torch.tensor(self._kv_indices(s, start, s.target)
+                                        + [scratch + t % bs for t in range(lens[i], L)])
+            blocks = None
+            if start:
+                width = self.blocks.blocks_for(start + L)
+                blocks = torch.full((n, width), self.blocks.scratch_block, dtype=torch.int64)
+                for i, s in enumerate(chunk):
+                    table = self.blocks.table(s)[:width]
+                    blocks[i, :len(table)] = torch.tensor(table)
             if self.backend != "cpu":
                 ids, index = ids.pin_memory(), index.pin_memory()
+                blocks = blocks.pin_memory() if blocks is not None else None
             logits = self._prefill_forward(ids.to(dev, non_blocking=True), index.view(-1).to(dev, non_blocking=True),
-                                           to_device([s.slot for s in chunk], torch.int64, dev), 0,
-                                           to_device([x - 1 for x in lens], torch.int64, dev))
+                                           to_device([s.slot for s in chunk], torch.int64, dev), start,
+                                           to_device([x - 1 for x in lens], torch.int64, dev),
+                                           blocks.to(dev, non_blocking=True) if blocks is not None else None)
             padded = n * L
         for s in chunk:
             s.cache_len = s.target
+            if self._shares_prefixes:
+                self.blocks.register(s, s.req.adapter, s.ids(), s.target)
         self._count_prefill(sum(lens), padded)
         self._start_decoding(chunk, logits)
 

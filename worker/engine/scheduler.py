@@ -107,9 +107,9 @@ class Scheduler:
     def plan_prefill(self, partial: Sequence | None, take: Callable[[], Sequence | None],
                      give_back: Callable[[Sequence], None], free_rows: int) -> PrefillPlan:
         """This step's prefill: the next chunk of a prompt being prefilled in chunks, else waiting requests
-        (`take` gives the next, its target set; `give_back` returns one not admitted) in arrival order while rows,
-        blocks and the token budget allow; a prompt longer than the budget starts alone, in chunks. Blocks for
-        what is planned are taken here."""
+        (`take` gives the next, its target set and any shared prefix in its table; `give_back` returns one not
+        admitted) in arrival order while rows, blocks and the token budget allow, all from one start position; a
+        prompt longer than the budget starts alone, in chunks. Blocks for what is planned are taken here."""
         budget, blocks = self.token_budget, self.blocks
         if partial is not None:
             end = min(partial.target, partial.cache_len + budget)
@@ -122,19 +122,23 @@ class Scheduler:
             seq = take()
             if seq is None:
                 break
-            n = seq.target
+            if plan.whole and seq.cache_len != plan.whole[0].cache_len:
+                give_back(seq)  # one call prefills prompts from one start (a shared prefix's length, or 0)
+                break
+            start = seq.cache_len  # positions already in shared blocks
+            n = seq.target - start
             cost = tokens + n if self.packed else (len(plan.whole) + 1) * max(longest, n)
             reserve = self.watermark if blocks.num_used else 0
             if cost > budget:
-                if plan.whole or blocks.missing(seq, budget) > blocks.num_free - reserve:
+                if plan.whole or blocks.missing(seq, start + budget) > blocks.num_free - reserve:
                     give_back(seq)
                     break
-                blocks.ensure(seq, budget)
-                return PrefillPlan(chunk=(seq, 0, budget))
-            if blocks.missing(seq, n) > blocks.num_free - reserve:
+                blocks.ensure(seq, start + budget)
+                return PrefillPlan(chunk=(seq, start, start + budget))
+            if blocks.missing(seq, seq.target) > blocks.num_free - reserve:
                 give_back(seq)
                 break
-            blocks.ensure(seq, n)
+            blocks.ensure(seq, seq.target)
             plan.whole.append(seq)
             tokens += n
             longest = max(longest, n)
