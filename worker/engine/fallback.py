@@ -2,13 +2,13 @@
 multi-device bases, adapters other than plain LoRA), run through the model's own forward with a DynamicCache.
 
 Why it is shaped this way: the model's own forward costs tens of milliseconds of host time per step whatever the
-batch, so throughput is rows per step. Every request therefore joins one running batch: new requests are
-prefilled (left padded, in pieces of at most prefill_tokens) and their caches merged into the running one, left
-padded to a common width; finished rows are dropped (and the columns no row uses any more) once an eighth of the
-rows are done or the batch holds max_batch_size rows. Positions and the attention mask are per row, so padding never
-changes a row's tokens. The host reads step k's tokens while the device computes step k+1 (not for a batch
-holding a grammar-constrained request: its next mask needs the token just drawn). Caches whose layers are
-not plain full-attention DynamicLayers (sliding windows, linear attention) cannot be merged: such a model runs its
+batch, so throughput is rows per step. Every request therefore joins one running batch: new requests are prefilled
+(left padded, in pieces of at most prefill_tokens, launched back to back) and their caches merged into the running
+one at once, left padded to a common width; finished rows are dropped (and the columns no row uses any more) once an
+eighth of the rows are done or the batch holds max_batch_size rows. Positions and the attention mask are per row, so
+padding never changes a row's tokens. The host reads step k's tokens while the device computes step k+1 (not for a
+batch holding a grammar-constrained request: its next mask needs the token just drawn). Caches whose layers are not
+plain full-attention DynamicLayers (sliding windows, linear attention) cannot be merged: such a model runs its
 prefilled pieces side by side instead. PEFT's mixed-batch `adapter_names=[...]` selects adapters per row.
 
 Interface with the engine (engine.py), which owns the request queue, the thread and the results:
@@ -76,17 +76,19 @@ class _Batch:
     def live(self) -> int:
         return sum(not s.finished for s in self.seqs)
 
-    def merge(self, other: _Batch) -> None:
-        w = max(self.width, other.width)
-        for a, b in zip(self.cache.layers, other.cache.layers):
-            a.keys = torch.cat([_pad_left(a.keys, w, -2), _pad_left(b.keys, w, -2)])
-            a.values = torch.cat([_pad_left(a.values, w, -2), _pad_left(b.values, w, -2)])
-        self.mask = torch.cat([_pad_left(self.mask, w, -1), _pad_left(other.mask, w, -1)])
-        self.pos = torch.cat([self.pos, other.pos])
-        self.next = torch.cat([self.next, other.next])
-        self.seqs = self.seqs + other.seqs
+    def merge(self, others: list[_Batch]) -> None:
+        """Append the rows of `others` (one copy of each cache, however many join)."""
+        parts = [self, *others]
+        w = max(p.width for p in parts)
+        for li, layer in enumerate(self.cache.layers):
+            layer.keys = torch.cat([_pad_left(p.cache.layers[li].keys, w, -2) for p in parts])
+            layer.values = torch.cat([_pad_left(p.cache.layers[li].values, w, -2) for p in parts])
+        self.mask = torch.cat([_pad_left(p.mask, w, -1) for p in parts])
+        self.pos = torch.cat([p.pos for p in parts])
+        self.next = torch.cat([p.next for p in parts])
+        self.seqs = [s for p in parts for s in p.seqs]
         if self.adapters is not None:
-            self.adapters = self.adapters + other.adapters
+            self.adapters = [a for p in parts for a in p.adapters]
 
     def compact(self) -> None:
         """Drop the finished rows, and the left columns no remaining row uses."""
@@ -189,22 +191,41 @@ class FallbackPath:
             chunk.append(s)
             settled.add(id(s))
         eng.push_back([s for s in cands if id(s) not in settled and not s.finished])
+        if not chunk:
+            return
+        t0 = time.perf_counter()
+        fresh: list[_Batch] = []
         i = 0
         while i < len(chunk):  # pieces of at most prefill_tokens padded tokens (sorted, so the last is the longest)
             j = i + 1
             while j < len(chunk) and (j + 1 - i) * chunk[j].prompt_len <= eng.prefill_tokens:
                 j += 1
             piece, i = chunk[i:j], j
-            t0 = time.perf_counter()
             try:
-                self._prefill(piece)
+                fresh.append(self._prefill(piece))
             except Exception as e:
                 log.exception("prefill failed")
                 for seq in piece:
                     eng.finish(seq, "error", f"prefill failed: {type(e).__name__}: {e}")
-            eng.stats["prefill_seconds"] += time.perf_counter() - t0
+        # the pieces were launched one after another; their first tokens are read once, then they join together
+        for b in fresh:
+            self._accept(b.pending)
+            b.pending = None
+        fresh = [b for b in fresh if b.live()]
+        joining = [b for b in fresh if b.mergeable]
+        self._batches += [b for b in fresh if not b.mergeable]
+        if joining:
+            into = next((b for b in self._batches if b.mergeable
+                         and (b.adapters is None) == (joining[0].adapters is None)), None)
+            if into is None:
+                into = joining.pop(0)
+                self._batches.append(into)
+            if joining:
+                into.merge(joining)
+        eng.stats["prefill_seconds"] += time.perf_counter() - t0
 
-    def _prefill(self, chunk: list[Sequence]) -> None:
+    def _prefill(self, chunk: list[Sequence]) -> _Batch:
+        """The prompts of `chunk` through the model, as a batch of their own whose first tokens are in flight."""
         from transformers import DynamicCache
 
         eng = self.engine
@@ -228,21 +249,13 @@ class FallbackPath:
         rows = list(enumerate(chunk))
         toks = pick(logits, None, rows, [0] * n)
         batch = _Batch(list(chunk), cache, mask, pos[:, -1], toks, adapters)
-        host = toks.tolist()
-        for i, seq in rows:
+        batch.pending = HostTokens(toks, rows, eng.backend)
+        for seq in chunk:
             seq.n_launched = 1
-            eng.accept(seq, host[i])
         eng.stats["prefill_calls"] += 1
         eng.stats["prefill_tokens"] += sum(s.prompt_len for s in chunk)
         eng.stats["prefill_padded_tokens"] += n * L
-        if not batch.live():
-            return
-        into = next((b for b in self._batches if b.mergeable and batch.mergeable
-                     and (b.adapters is None) == (batch.adapters is None)), None)
-        if into is None:
-            self._batches.append(batch)
-        else:
-            into.merge(batch)
+        return batch
 
     def _decode(self, b: _Batch) -> None:
         """Launch one decode step for batch `b` if a row still needs a token, then read the previous step's tokens
