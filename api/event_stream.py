@@ -25,6 +25,20 @@ def wants_stream(request: Request, stream: bool) -> bool:
     return stream or "text/event-stream" in request.headers.get("accept", "")
 
 
+def list_or_stream(request: Request, redis, job_id: str, object_name: str, after: str | None, limit: int | None,
+                   stream_asked: bool, status_of: Callable[[], str | None]):
+    """GET .../events of a job or batch: a page of its events, newest first, or with a stream every event."""
+    if wants_stream(request, stream_asked):
+        if limit is not None:
+            raise invalid("limit pages the event list; a stream sends every event.", param="limit")
+        return stream(request, job_id, object_name, after, status_of)
+    try:
+        page, has_more = events.read_newest_first(redis, job_id, after, limit or 20)
+    except events.BadEventId as exc:
+        raise invalid(str(exc), param="after") from None
+    return {"object": "list", "data": [{**e, "object": object_name} for e in page], "has_more": has_more}
+
+
 def stream(request: Request, job_id: str, object_name: str, after: str | None,
            status_of: Callable[[], str | None]) -> EventSourceResponse:
     """status_of: the record's current status (called in a thread: it reads Redis synchronously)."""

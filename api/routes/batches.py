@@ -208,13 +208,5 @@ def list_batch_events(request: Request, batch_id: str, tenant: TenantDep, store:
                       after: str | None = None, limit: Annotated[int | None, Query(ge=1, le=1000)] = None,
                       stream: bool = False):
     get_batch(store, batch_id, tenant)
-    if event_stream.wants_stream(request, stream):
-        if limit is not None:
-            raise invalid("limit pages the event list; a stream sends every event.", param="limit")
-        return event_stream.stream(request, batch_id, "batch.event", after,
-                                   lambda: get_batch(store, batch_id, tenant)["status"])
-    try:
-        page, has_more = events.read_newest_first(redis, batch_id, after, limit or 20)
-    except events.BadEventId as exc:
-        raise invalid(str(exc), param="after") from None
-    return {"object": "list", "data": [{**e, "object": "batch.event"} for e in page], "has_more": has_more}
+    return event_stream.list_or_stream(request, redis, batch_id, "batch.event", after, limit, stream,
+                                       lambda: get_batch(store, batch_id, tenant)["status"])

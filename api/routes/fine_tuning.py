@@ -248,17 +248,8 @@ def list_events(request: Request, job_id: str, tenant: TenantDep, store: StoreDe
                 after: str | None = None, limit: Annotated[int | None, Query(ge=1, le=1000)] = None,
                 stream: bool = False):
     get_job(store, job_id, tenant)
-    if event_stream.wants_stream(request, stream):
-        if limit is not None:
-            raise invalid("limit pages the event list; a stream sends every event.", param="limit")
-        return event_stream.stream(request, job_id, "fine_tuning.job.event", after,
-                                   lambda: get_job(store, job_id, tenant)["status"])
-    try:
-        page, has_more = events.read_newest_first(redis, job_id, after, limit or 20)
-    except events.BadEventId as exc:
-        raise invalid(str(exc), param="after") from None
-    return {"object": "list", "data": [{**e, "object": "fine_tuning.job.event"} for e in page],
-            "has_more": has_more}
+    return event_stream.list_or_stream(request, redis, job_id, "fine_tuning.job.event", after, limit, stream,
+                                       lambda: get_job(store, job_id, tenant)["status"])
 
 
 @router.get("/{job_id}/checkpoints")
