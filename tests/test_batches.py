@@ -41,7 +41,8 @@ def two_adapters(client_a):
     models = []
     for data, suffix in ((training_jsonl(), "pine"), (other.encode(), "banana")):
         upload = client_a.files.create(file=(f"{suffix}.jsonl", data), purpose="fine-tune")
-        job = client_a.fine_tuning.jobs.create(model="demo-tiny", training_file=upload.id, suffix=suffix,
+        # a fixed seed, so each run trains the same adapters (with a random one, one full run got noise from "pine")
+        job = client_a.fine_tuning.jobs.create(model="demo-tiny", training_file=upload.id, suffix=suffix, seed=7,
                                                hyperparameters={"n_epochs": 40, "batch_size": 8,
                                                                 "learning_rate_multiplier": 10})
         models.append(job.id)
