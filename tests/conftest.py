@@ -1,6 +1,7 @@
 """The real stack for the tests: a Redis server of the session's own, worker nodes started through the
 production launcher, the API under uvicorn, and a tiny model built locally (random weights)."""
 
+import contextlib
 import json
 import os
 import signal
@@ -150,13 +151,14 @@ def workers(start_worker):
     return [start_worker("wa"), start_worker("wb")]
 
 
-@pytest.fixture(scope="session")
-def api_url(stack_env, stack_dir, workers):
+@contextlib.contextmanager
+def running_api(env: dict[str, str], log_path: Path):
+    """The API under uvicorn with two processes, as in production (several): every call may land on either.
+    Yields its base URL once /health answers."""
     port = free_port()
-    log = (stack_dir / "api.log").open("wb")
-    # Two processes, as in production (several): every call below may land on either.
+    log = log_path.open("wb")
     proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "api", "--port", str(port), "--workers", "2"],
-                            env=stack_env, stdout=log, stderr=subprocess.STDOUT)
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
 
     def healthy():
@@ -165,11 +167,19 @@ def api_url(stack_env, stack_dir, workers):
         except httpx.HTTPError:
             return False
 
-    _wait(healthy, 240, "the API")  # generous: CI and shared machines are slow to import
-    yield url
-    proc.terminate()
-    proc.wait(10)
-    log.close()
+    try:
+        _wait(healthy, 240, f"the API ({log_path.name})")  # generous: CI and shared machines are slow to import
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+
+
+@pytest.fixture(scope="session")
+def api_url(stack_env, stack_dir, workers):
+    with running_api(stack_env, stack_dir / "api.log") as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

@@ -2,43 +2,24 @@
 Redis and workers: requests per minute, jobs not yet ended, bytes stored; each refusal is OpenAI's 429."""
 
 import json
-import subprocess
-import sys
 
 import httpx
 import openai
 import pytest
-from conftest import _wait, wait_for_job
+from conftest import running_api, wait_for_job
 from test_fine_tune_e2e import training_jsonl
-
-from worker.node.redis_server import free_port
 
 KEY_C, KEY_D = "key-tenant-c", "key-tenant-d"
 
 
 @pytest.fixture(scope="module")
 def limited_api(stack_env, stack_dir, workers):
-    port = free_port()
     env = {**stack_env,
            "XPUJOBS_API_KEYS": json.dumps({KEY_C: "tenant-c", KEY_D: "tenant-d"}),
            "XPUJOBS_TENANT_LIMITS": json.dumps({"tenant-c": {"requests_per_minute": 5},
                                                 "tenant-d": {"max_active_jobs": 1, "max_stored_bytes": 3000}})}
-    log = (stack_dir / "api-limited.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "api", "--port", str(port), "--workers", "2"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy():
-        try:
-            return httpx.get(url + "/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    _wait(healthy, 240, "the limited API")
-    yield url
-    proc.terminate()
-    proc.wait(10)
-    log.close()
+    with running_api(env, stack_dir / "api-limited.log") as url:
+        yield url
 
 
 def test_requests_per_minute(limited_api):
