@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One measurement call on a lent GPU machine (no network there): install the service's packages from the wheels
+# carried in .whl-svc/ (docs/benchmarks.md says how they are fetched), then run the stages named as arguments, each
+# under its own time limit, writing reports and logs under $OUT. Stages:
+#   service   Qwen3-0.6B shape: the service at its shipped settings (current and long workloads, 64 chats), the
+#             engine called directly and plain generate's best configurations, in one process
+#   fallback  a Phi-2-shaped model (outside the native list): the engine's fallback path against plain generate
+#   priority  live chats' time to first token while a batch runs in the same engine (bench/ttft.py --during-batch)
+# Usage: bash bench/gpu_run.sh service fallback
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-svc/*.whl \
+  || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# the stack's own processes find the `xpu-jobs` entry points through python -m, and the wheels through PYTHONPATH
+nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, transformers, celery, redis, fastapi; print('torch', torch.__version__, 'transformers',
+  transformers.__version__, 'celery', celery.__version__, 'redis-py', redis.__version__, 'fastapi', fastapi.__version__)" \
+  | tee -a "$OUT/gpu.txt"
+git log -1 --format='%H %s' >> "$OUT/gpu.txt" 2>/dev/null || true
+
+stage() {  # name, seconds, command...
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit}s): $*" | tee -a "$OUT/stages.txt"
+  local t0=$SECONDS
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/stages.txt"
+  tail -25 "$OUT/$name.log"
+}
+
+for s in "$@"; do
+  case $s in
+    service)
+      stage service 420 python3 -m bench.generation --model qwen3-0.6b --device cuda --workloads current,long \
+        --generate-prompts 256 --service-first --chats 64 \
+        --variants service,current:engine-cold,current:engine,current:engine-adapters,current:generate-bs256,current:generate-static-bs256,long:engine,long:generate-bs256 \
+        --out "$OUT/h200-service.json" ;;
+    fallback)
+      stage fallback 150 python3 -m bench.generation --model phi2-0.6b --device cuda \
+        --variants generate-bs256,generate-static-bs256,engine --out "$OUT/h200-fallback.json" ;;
+    priority)
+      stage priority 150 python3 -m bench.ttft --model qwen3-0.6b --device cuda --during-batch 512 \
+        --out "$OUT/h200-priority.json" ;;
+    *) echo "unknown stage $s"; exit 2 ;;
+  esac
+done
+# the service stacks' own logs (API, workers, Redis), one archive
+tar -czf "$OUT/stack-logs.tgz" /tmp/xpujobs-bench-*/stack.log /tmp/xpujobs-bench-*/logs 2>/dev/null || true
