@@ -349,8 +349,10 @@ def run_engine_adapters(ctx) -> dict:
 
 def run_variant(name: str, ctx) -> dict:
     if m := re.fullmatch(r"generate-(static-)?bs(\d+)", name):
+        close_engine(ctx)  # the engine's cache takes most of the device's free memory
         return run_generate(ctx, int(m.group(2)), static=bool(m.group(1)))
     if name.startswith("generate_batch"):
+        close_engine(ctx)
         return run_generate_batch(ctx, warm=name.endswith("-warm"))
     if name == "engine-cold":
         close_engine(ctx)

@@ -42,6 +42,10 @@ for s in "$@"; do
     fallback)
       stage fallback 150 python3 -m bench.generation --model phi2-0.6b --device cuda \
         --variants generate-bs256,generate-static-bs256,engine --out "$OUT/h200-fallback.json" ;;
+    long-generate)  # plain generate's baselines on the long workload, alone (the engine's cache is not there)
+      stage long-generate 240 python3 -m bench.generation --model qwen3-0.6b --device cuda --workloads long \
+        --generate-prompts 256 --variants long:generate-bs256,long:generate-static-bs256 \
+        --out "$OUT/h200-long-generate.json" ;;
     priority)
       stage priority 150 python3 -m bench.ttft --model qwen3-0.6b --device cuda --during-batch 512 \
         --out "$OUT/h200-priority.json" ;;

@@ -89,6 +89,9 @@ class Settings(BaseSettings):
     engine_max_batch_size: int = 256
     # Longest sequence (prompt + output) the engine's cache holds per request (capped by the model's context).
     engine_max_seq_len: int = 4096
+    # A streamed request's tokens are sent on at most this often (its first token at once): a delta per engine step
+    # and request (every 2 ms on a GPU) costs the engine process, Redis and the API an event each. 0: every step.
+    engine_stream_interval_ms: float = Field(20.0, ge=0.0, le=1000.0)
     # Celery task threads of a worker node: batch chunks and fine-tunes it runs at once (live requests do not take
     # them: see live_max_requests).
     worker_concurrency: int = 64

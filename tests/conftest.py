@@ -53,6 +53,9 @@ def service_env(redis_url: str, root: Path, base_models: list[str]) -> dict[str,
         "XPUJOBS_WORKER_CONCURRENCY": "8",
         "XPUJOBS_REQUEST_TIMEOUT_SECONDS": "120",
         "XPUJOBS_WEBHOOK_RETRY_SECONDS": "[1, 1, 1]",
+        # every engine step's tokens in their own chunk: the streaming tests count chunks (tests/test_engine.py
+        # covers the interval)
+        "XPUJOBS_ENGINE_STREAM_INTERVAL_MS": "0",
         "PYTHONUNBUFFERED": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": "1",

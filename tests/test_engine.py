@@ -301,6 +301,23 @@ def test_streaming_deltas_add_up_to_the_result(model, tokenizer, native):
     assert "".join(d.text for d in deltas) == res.text  # a stop string's start is never sent
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "hf-fallback"])
+def test_stream_interval_gathers_steps_into_fewer_deltas(model, tokenizer, native):
+    """With a stream interval, a request's first token goes out at once and later ones are gathered: far fewer
+    deltas than steps, the same tokens and text."""
+    p = prompts(1, seed=5, lo=10, hi=11)[0]
+    with Engine(model, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=4, max_seq_len=128,
+                native=native, stream_interval=3600.0) as eng:
+        req = greedy(p, "gathered", new=20, ignore_eos=True)
+        req.stream = True
+        deltas = []
+        res = eng.submit(req, on_delta=deltas.append).result(timeout=60)
+    assert len(res.output_ids) == 20
+    assert len(deltas) == 2 and len(deltas[0].token_ids) == 1  # the first token at once, the rest at the finish
+    assert [t for d in deltas for t in d.token_ids] == res.output_ids
+    assert "".join(d.text for d in deltas) == res.text
+
+
 def test_bad_requests_fail_alone(model, tokenizer):
     ok = prompts(1, seed=6)[0]
     with Engine(model, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=4, max_seq_len=64) as eng:

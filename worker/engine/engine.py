@@ -109,7 +109,8 @@ class Engine(NativeRunner):
     def __init__(self, model, tokenizer, *, device: str, memory_budget_bytes: int | None = None,
                  memory_fraction: float = DEFAULT_MEMORY_FRACTION, max_batch_size: int = 256,
                  use_graphs: bool | None = None, max_seq_len: int | None = None, prefill_tokens: int | None = None,
-                 native: bool | None = None, kernels: str = "auto", block_size: int = BLOCK_SIZE):
+                 native: bool | None = None, kernels: str = "auto", block_size: int = BLOCK_SIZE,
+                 stream_interval: float = 0.0):
         self.device = torch.device(device)
         self.backend = self.device.type
         if self.backend not in ("cpu", "cuda", "xpu"):
@@ -152,7 +153,11 @@ class Engine(NativeRunner):
         self._cancel_ids: set[str] = set()
         self._closed = False
         self._by_id: dict[str, list[Sequence]] = {}
-        self._streaming: set[Sequence] = set()  # streaming requests that got tokens in this step
+        self._streaming: set[Sequence] = set()  # streaming requests with tokens not yet sent in a delta
+        # Seconds a streaming request's output is gathered between deltas (its first and last go out at once): one
+        # delta per engine step and request costs a message, a Redis entry and a server-sent event each, which
+        # under load slows the engine's own process and the API more than the client gains from the finer steps.
+        self.stream_interval = float(stream_interval)
         self._grammars = None  # worker/engine/grammar.py's Grammars, built on first use
         self._grammars_lock = threading.Lock()
         self.stats: dict[str, Any] = {
@@ -631,14 +636,18 @@ class Engine(NativeRunner):
             seq.fut.set_result(result)
 
     def _send_deltas(self) -> None:
-        """Each streaming request's tokens accepted in this step, and the text they add: text that may still be
-        the start of a stop string, or an incomplete character, waits for a later delta."""
-        for seq in self._streaming:
+        """Each streaming request's tokens accepted since its last delta, and the text they add, once
+        stream_interval has passed since that delta (a request's first tokens go out at once): text that may
+        still be the start of a stop string, or an incomplete character, waits for a later delta."""
+        now = time.perf_counter()
+        due = [seq for seq in self._streaming if seq.sent_tokens == 0 or now - seq.delta_at >= self.stream_interval]
+        for seq in due:
+            self._streaming.discard(seq)
             text = self._decode(seq.out).rstrip("\ufffd")
             if seq.stops:
                 text = text[:len(text) - max(len(s) for s in seq.stops) + 1]
             self._delta(seq, list(seq.out[seq.sent_tokens:]), text[seq.sent_text:])
-        self._streaming.clear()
+            seq.delta_at = now
 
     def _delta(self, seq: Sequence, tokens: list[int], text: str) -> None:
         if not tokens and not text:

@@ -30,7 +30,8 @@ def build_engine(model, tokenizer, settings: Settings, device: str, native: bool
     context = getattr(model.config, "max_position_embeddings", None)
     engine = Engine(model, tokenizer, device=device, memory_budget_bytes=settings.engine_memory_bytes,
                     memory_fraction=settings.engine_memory_fraction, max_batch_size=settings.engine_max_batch_size,
-                    max_seq_len=min(settings.engine_max_seq_len, context or 1 << 30), native=native)
+                    max_seq_len=min(settings.engine_max_seq_len, context or 1 << 30), native=native,
+                    stream_interval=settings.engine_stream_interval_ms / 1e3)
     engine.warmup()
     return engine
 

@@ -30,7 +30,7 @@ class Sequence:
 
     __slots__ = ("req", "fut", "prompt_len", "limit", "out", "n_launched", "cache_len", "target", "slot",
                  "order", "finished", "temperature", "top_p", "seed", "stops", "ignore_eos", "t_submit",
-                 "on_delta", "sent_tokens", "sent_text", "preemptions", "logits")
+                 "on_delta", "sent_tokens", "sent_text", "delta_at", "preemptions", "logits")
 
     def __init__(self, req: GenerationRequest, fut: concurrent.futures.Future,
                  on_delta: Callable[[GenerationDelta], None] | None = None):
@@ -55,6 +55,7 @@ class Sequence:
         self.on_delta = on_delta if req.stream else None
         self.sent_tokens = 0  # output tokens and characters of text already reported in deltas
         self.sent_text = 0
+        self.delta_at = 0.0  # when its last delta was sent (perf_counter)
         self.preemptions = 0
         self.logits: RequestLogits | None = None  # logits processing it asks for (set when first admitted)
 
