@@ -116,20 +116,23 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=32, help="chats per case; 'loaded' sends them all at once")
     ap.add_argument("--new-tokens", type=int, default=32, help="tokens each chat generates")
     ap.add_argument("--batch-lines", type=int, default=256, help="lines of the batch job in the 'batch' case")
+    ap.add_argument("--stack-env", action="append", default=[], metavar="XPUJOBS_NAME=VALUE",
+                    help="a setting changed from the shipped one for the stack (a tuned run: the report names it)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    stack_env = dict(item.split("=", 1) for item in args.stack_env)
     from worker.node.devices import detect_backend
 
     backend = detect_backend(args.device)
     prompts = contents(args.model, args.requests)
-    stack = Stack(args.model, backend)
+    stack = Stack(args.model, backend, stack_env)
     try:
         service = measure_service(stack, prompts, args.new_tokens, args.batch_lines)
     finally:
         stack.close()
     engine = measure_engine(stack, backend, prompts, args.new_tokens)
     out = {"model": args.model, "backend": backend, "requests": args.requests, "new_tokens": args.new_tokens,
-           "batch_lines": args.batch_lines, **report(service, engine)}
+           "batch_lines": args.batch_lines, "stack_env": stack_env, **report(service, engine)}
     print(json.dumps(out, indent=2))
     if args.out:
         args.out.write_text(json.dumps(out, indent=2) + "\n")
