@@ -12,15 +12,22 @@ class UnknownModel(LookupError):
 
 def resolve(model: str, tenant: str, settings: Settings, store: RecordStore) -> tuple[str, FineTunedRef | None]:
     """(base model, fine-tuned reference or None); UnknownModel for a model this tenant cannot use."""
+    base, ref, _ = resolve_with_job(model, tenant, settings, store)
+    return base, ref
+
+
+def resolve_with_job(model: str, tenant: str, settings: Settings,
+                     store: RecordStore) -> tuple[str, FineTunedRef | None, dict | None]:
+    """resolve's answer and the fine-tuning job record behind a fine-tuned model (None for a base model)."""
     ref = parse_fine_tuned(model)
     if ref is None:
         if model in settings.base_models:
-            return model, None
+            return model, None, None
         raise UnknownModel(model)
     job = store.get("ftjob", ref.job_id, tenant)
     if job is None or (model not in models_of(job)):
         raise UnknownModel(model)
-    return ref.base, ref
+    return ref.base, ref, job
 
 
 CHECKPOINTS_USABLE = ("succeeded", "cancelled", "paused")

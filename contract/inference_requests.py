@@ -159,7 +159,8 @@ class Sampling(BaseModel):
     # Extension (as in vLLM): keep generating past end-of-sequence until the token limit (benchmarks).
     ignore_eos: bool = False
     # Extensions: load the base in bitsandbytes 4- or 8-bit, and swap in the Hub's kernels (use_kernels=True).
-    quantization: Literal["none", "4bit", "8bit"] = "none"
+    # None: the plain base, or for an adapter trained on a quantized base (QLoRA) as settings.qlora_serve_on says.
+    quantization: Literal["none", "4bit", "8bit"] | None = None
     use_kernels: bool = False
 
     def sampling(self) -> dict:

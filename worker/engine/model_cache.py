@@ -275,7 +275,8 @@ def submit(cache: ModelCache, submission: Submission,
 def served_by(key: ModelKey, engine: Engine) -> str:
     """The path and kernels that serve a model, as responses name them in system_fingerprint: the native path
     with its own kernels (Triton or torch ops, device graphs or not), or the model's own forward with the
-    attention and Hub kernels it was loaded with."""
+    attention, Hub kernels and bitsandbytes quantization it was loaded with."""
     if engine.path == "native":
         return f"xpu-jobs-native-{engine.attention}{'-graphs' if engine.use_graphs else ''}"
-    return f"xpu-jobs-hf-{key.attn_implementation or 'sdpa'}{'-hub-kernels' if key.use_kernels else ''}"
+    return (f"xpu-jobs-hf-{key.attn_implementation or 'sdpa'}{'-hub-kernels' if key.use_kernels else ''}"
+            f"{'' if key.quantization == 'none' else '-bnb-' + key.quantization}")

@@ -102,11 +102,20 @@ def sampling_params(request: dict) -> SamplingParams:
                           logprobs=request.get("logprobs"), grammar=grammar_spec(request))
 
 
+def base_quantization(request: dict, trained_on: str, settings: Settings) -> str:
+    """The bitsandbytes quantization of the base a request runs on: the request's own when it names one; for an
+    adapter trained on a quantized base (QLoRA, trained_on "4bit" or "8bit"), that base unless
+    settings.qlora_serve_on is "unquantized"; else none (the plain base)."""
+    if request.get("quantization") is not None:
+        return request["quantization"]
+    return trained_on if settings.qlora_serve_on == "quantized" else "none"
+
+
 def prepare(node: Node, request_id: str, tenant: str, request: dict) -> Submission:
     """Resolve the model and tokenize the prompt: what the engine process needs. Raises RequestFailed for an
     unknown model."""
     try:
-        base, ref = catalog.resolve(request["model"], tenant, node.settings, node.store)
+        base, ref, job = catalog.resolve_with_job(request["model"], tenant, node.settings, node.store)
     except catalog.UnknownModel as exc:
         raise RequestFailed("model_not_found", str(exc)) from None
     tokenizer = tokenizer_for(base, node.settings)
@@ -117,7 +126,8 @@ def prepare(node: Node, request_id: str, tenant: str, request: dict) -> Submissi
                             "logit_bias")
     if any(not 0 <= i < vocab for i in ids):
         raise RequestFailed("invalid_prompt", f"The prompt's token ids must be in [0, {vocab}).")
-    model = ModelKey(base, request.get("attn_implementation"), request.get("quantization") or "none",
+    model = ModelKey(base, request.get("attn_implementation"),
+                     base_quantization(request, (job or {}).get("quantization") or "none", node.settings),
                      bool(request.get("use_kernels")))
     return Submission(request_id, model, adapter_of(tenant, ref, node.settings), ids, sampling_params(request))
 
