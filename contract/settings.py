@@ -83,7 +83,7 @@ class Settings(BaseSettings):
     # The base an adapter trained on a bitsandbytes base (QLoRA) is served on when a request names no quantization:
     # "quantized", the base it was trained on (the model's own forward: the engine's fallback path); "unquantized",
     # the plain base (bf16 on a GPU, float32 on cpu) on the native path, batched with the other adapters of that
-    # base.
+    # base (docs/results/qlora-serving.md measures the difference).
     qlora_serve_on: Literal["quantized", "unquantized"] = "quantized"
     # The share of device memory free after a model's weights are loaded that its generation engine takes for its
     # paged KV cache and workspace (the rest covers fragmentation and what else runs on the device).
