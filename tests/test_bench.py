@@ -21,3 +21,15 @@ def test_generation_benchmark_runs_every_kind_of_variant(tmp_path):
     chats = report["chats"]
     assert chats["sequential_tokens"] == chats["concurrent_tokens"] == 3 * 4, chats
     assert chats["latency"]["concurrent"]["latency"]["p50"] > 0
+
+
+def test_qlora_serving_benchmark_serves_the_adapter_both_ways(tmp_path):
+    out = tmp_path / "qlora.json"
+    result = subprocess.run([sys.executable, "-m", "bench.qlora_serving", "--model", "tiny", "--device", "cpu",
+                             "--steps", "2", "--new-tokens", "3", "--out", str(out)],
+                            capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["paths"] == {"4bit": "xpu-jobs-hf-sdpa-bnb-4bit", "unquantized": "xpu-jobs-native-torch"}
+    assert report["greedy_served"]["all"]["sequences"] == 16
+    assert report["logits_with_adapter"]["all"]["positions"] == 16 * 3
