@@ -39,6 +39,8 @@ Models (--model), random weights, nothing downloaded:
   phi2-0.6b    Phi-2's layout (model_type "phi": LayerNorm, parallel attention and MLP, GELU, rotary over 32 of
                64 head dims as Phi-2's 32 of 80), hidden 1024, 24 layers: outside the engine's native list, so the
                engine takes its fallback path
+  phi2-tiny    the same layout at hidden 128, 4 layers, vocabulary 2,048: the fallback path on cpu in seconds, where
+               the eager forward's host time dominates as it does on a GPU
 The GPU ceiling is FLOPs per token (2 x parameters) over a measured bf16 matrix-product rate.
 """
 
@@ -99,7 +101,17 @@ def phi2_06b_config():
                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
-CONFIGS = {"qwen3-0.6b": qwen3_06b_config, "phi3-0.6b": phi3_06b_config, "phi2-0.6b": phi2_06b_config}
+def phi2_tiny_config():
+    from transformers import PhiConfig
+
+    return PhiConfig(vocab_size=2048, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048,
+                     partial_rotary_factor=0.5, hidden_act="gelu_new", tie_word_embeddings=False,
+                     bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+CONFIGS = {"qwen3-0.6b": qwen3_06b_config, "phi3-0.6b": phi3_06b_config, "phi2-0.6b": phi2_06b_config,
+           "phi2-tiny": phi2_tiny_config}
 MODELS = ["tiny", *CONFIGS]
 
 
