@@ -80,3 +80,39 @@ def test_fallback_matches_generate_as_requests_join_and_leave(kind, merged):
     if merged:  # one running batch that requests join and leave: 4 rows at once, far fewer steps than 1 by 1
         assert stats["max_running"] == 4
         assert stats["decode_steps"] < sum(news) / 2
+
+
+def test_fallback_batch_grows_its_cache_in_place():
+    """A decode step on the merged batch writes its column into the cache's buffers instead of copying the whole
+    cache (DynamicLayer's torch.cat, most of a step's time at a large batch): the keys' storage changes only where
+    rows join or leave. Rows that need per-row work (sampling, logprobs) share the batch with plain greedy rows,
+    and every row keeps the tokens it gets alone."""
+    model = build("phi2")
+    ps = prompts(9, seed=4)
+    news = [NEW - i % 4 for i in range(len(ps))]
+    refs = [reference(model, p, n) for p, n in zip(ps, news)]
+    sampled = SamplingParams(max_new_tokens=NEW, temperature=0.9, seed=7)
+    with Engine(model, None, device="cpu", memory_budget_bytes=64 * MB, max_seq_len=128) as eng:
+        alone = eng.generate([GenerationRequest("s", ps[0], sampled)])[0]
+    storages = []
+
+    def record(module, args, kwargs):
+        if kwargs["input_ids"].shape[1] == 1:
+            storages.append(kwargs["cache"].layers[0].keys.untyped_storage().data_ptr())
+
+    hook = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        with Engine(model, None, device="cpu", memory_budget_bytes=64 * MB, max_seq_len=128, max_batch_size=4,
+                    prefill_tokens=64) as eng:
+            reqs = [GenerationRequest(str(i), p, SamplingParams(max_new_tokens=n, temperature=0.0,
+                                                                logprobs=1 if i == 3 else None))
+                    for i, (p, n) in enumerate(zip(ps, news))]
+            res = eng.generate([*reqs, GenerationRequest("s", ps[0], sampled)])
+            steps = eng.stats["decode_steps"]
+    finally:
+        hook.remove()
+    assert [r.output_ids for r in res[:-1]] == refs
+    assert [t for t, _, _ in res[3].logprobs] == refs[3]
+    assert res[-1].output_ids == alone.output_ids
+    changes = sum(a != b for a, b in zip(storages, storages[1:]))
+    assert len(storages) == steps and changes < steps / 3, (changes, steps)

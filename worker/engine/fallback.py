@@ -4,12 +4,15 @@ multi-device bases, adapters other than plain LoRA), run through the model's own
 Why it is shaped this way: the model's own forward costs tens of milliseconds of host time per step whatever the
 batch, so throughput is rows per step. Every request therefore joins one running batch: new requests are prefilled
 (left padded, in pieces of at most prefill_tokens, launched back to back) and their caches merged into the running
-one at once, left padded to a common width; finished rows are dropped (and the columns no row uses any more) once an
-eighth of the rows are done or the batch holds max_batch_size rows. Positions and the attention mask are per row, so
-padding never changes a row's tokens. The host reads step k's tokens while the device computes step k+1 (not for a
-batch holding a grammar-constrained request: its next mask needs the token just drawn). Caches whose layers are not
-plain full-attention DynamicLayers (sliding windows, linear attention) cannot be merged: such a model runs its
-prefilled pieces side by side instead. PEFT's mixed-batch `adapter_names=[...]` selects adapters per row.
+one at once, left padded to a common width, in buffers with room for every column its rows may still take: a decode
+step writes its column in place, where a DynamicLayer copies its whole cache every step (torch.cat: 3/4 of a 256-row
+step's time on cpu, docs/results/cpu-fallback-profile.md); the attention mask likewise. Finished rows are dropped
+(and the columns no row uses any more) once an eighth of the rows are done or the batch holds max_batch_size rows.
+Positions and the attention mask are per row, so padding never changes a row's tokens. The host reads step k's
+tokens while the device computes step k+1 (not for a batch holding a grammar-constrained request: its next mask
+needs the token just drawn). Caches whose layers are not plain full-attention DynamicLayers (sliding windows, linear
+attention) cannot be merged: such a model runs its prefilled pieces side by side instead. PEFT's mixed-batch
+`adapter_names=[...]` selects adapters per row.
 
 Interface with the engine (engine.py), which owns the request queue, the thread and the results:
   FallbackPath(engine)  once per model setup; reads engine.model/.base/.device/.budget/.prefill_tokens/
@@ -23,13 +26,13 @@ Requests are finished through engine.accept (a new token) and engine.finish; tok
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import time
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from worker.engine.device import HostTokens
 from worker.engine.sampling import pick
@@ -40,29 +43,71 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _pad_left(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    extra = width - x.shape[dim]
-    if extra == 0:
-        return x
-    return F.pad(x, [0, 0] * (x.dim() - 1 - dim % x.dim()) + [extra, 0])
-
-
 def _mergeable(cache) -> bool:
     """Every layer a plain full-attention DynamicLayer: the rows of two such caches can be concatenated."""
     from transformers.cache_utils import DynamicLayer
 
     layers = getattr(cache, "layers", None)
-    return bool(layers) and all(type(layer) is DynamicLayer and layer.keys is not None for layer in layers)
+    plain = (DynamicLayer, _roomy_layer())
+    return bool(layers) and all(type(layer) in plain and layer.keys is not None for layer in layers)
+
+
+def _stack_right(parts: list[torch.Tensor], width: int, room: int) -> torch.Tensor:
+    """`parts` ([rows, ..., columns(, d)] along dim 2 for caches, dim 1 for masks) stacked by rows into a buffer of
+    width + room columns, each part right-aligned to `width` with zeros on its left (masked padding must hold
+    finite values: a zero attention weight times a stale NaN is NaN); the room is left unwritten."""
+    dim = 2 if parts[0].dim() == 4 else 1
+    first = parts[0]
+    shape = list(first.shape)
+    shape[0] = sum(p.shape[0] for p in parts)
+    shape[dim] = width + room
+    buf = first.new_empty(shape)
+    r = 0
+    for p in parts:
+        rows, cols = buf.narrow(0, r, p.shape[0]), p.shape[dim]
+        rows.narrow(dim, 0, width - cols).zero_()
+        rows.narrow(dim, width - cols, cols).copy_(p)
+        r += p.shape[0]
+    return buf
+
+
+@functools.cache
+def _roomy_layer() -> type:
+    """The class of a merged cache's layers (transformers is imported where a fallback model runs)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class RoomyLayer(DynamicLayer):
+        """A full-attention layer whose keys and values are views into buffers with room for the columns still to
+        come: a decode step writes its column in place, where DynamicLayer copies the whole cache (torch.cat)."""
+
+        def __init__(self, k_buf: torch.Tensor, v_buf: torch.Tensor, width: int):
+            super().__init__()
+            self.device = k_buf.device
+            self.is_initialized = True
+            self.k_buf, self.v_buf = k_buf, v_buf
+            self.keys, self.values = k_buf[:, :, :width], v_buf[:, :, :width]
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            # the room is what the batch's rows may still launch (_Batch.room), so a step always fits
+            w, n = self.keys.shape[-2], key_states.shape[-2]
+            self.k_buf[:, :, w:w + n].copy_(key_states)
+            self.v_buf[:, :, w:w + n].copy_(value_states)
+            self.keys, self.values = self.k_buf[:, :, :w + n], self.v_buf[:, :, :w + n]
+            return self.keys, self.values
+
+    return RoomyLayer
 
 
 class _Batch:
-    """Requests decoding together: one cache, rows left padded to one width."""
+    """Requests decoding together: one cache, rows left padded to one width. The mask (and a merged cache) sit in
+    buffers with room for the columns the rows may still take, so a decode step appends without copying."""
 
     def __init__(self, seqs: list[Sequence], cache, mask: torch.Tensor, pos: torch.Tensor, nxt: torch.Tensor,
                  adapters: list[str] | None):
         self.seqs = seqs
         self.cache = cache
-        self.mask = mask  # [rows, width], 0 on left padding
+        self._mask = mask  # [rows, width + room], 0 on left padding, 1 in the room
+        self.width = mask.shape[1]
         self.pos = pos  # [rows]: position of each row's last token
         self.next = nxt  # [rows]: each row's next input token, on the device
         self.adapters = adapters
@@ -70,20 +115,48 @@ class _Batch:
         self.pending: HostTokens | None = None  # the last step's tokens, read on the next iteration
 
     @property
-    def width(self) -> int:
-        return self.mask.shape[1]
+    def mask(self) -> torch.Tensor:
+        return self._mask[:, :self.width]
 
     def live(self) -> int:
         return sum(not s.finished for s in self.seqs)
 
+    def room(self) -> int:
+        """Columns the decode steps may still add: the most tokens a live row has still to launch."""
+        return max((s.limit - s.n_launched for s in self.seqs if not s.finished), default=0)
+
+    def grow(self) -> None:
+        """One column more for the step being launched (every row's mask 1 there)."""
+        if self.width == self._mask.shape[1]:
+            self._mask = _stack_right([self.mask], self.width, max(1, self.room()))
+            self._mask[:, self.width:] = 1
+        self.width += 1
+
+    def _rebuild(self, parts: list[_Batch], width: int, keep: torch.Tensor | None = None) -> None:
+        """The rows of `parts` (only those in `keep`, for a single part), right-aligned to `width`, in fresh buffers
+        with room for the columns still to come."""
+        room = max(p.room() for p in parts)
+        if self.mergeable:
+            for li in range(len(self.cache.layers)):  # layers may sit on several devices (device_map="auto")
+                ks = [p.cache.layers[li].keys for p in parts]
+                vs = [p.cache.layers[li].values for p in parts]
+                if keep is not None:
+                    rows = keep.to(ks[0].device)
+                    ks, vs = [ks[0].index_select(0, rows)[:, :, -width:]], [vs[0].index_select(0, rows)[:, :, -width:]]
+                k_buf = _stack_right(ks, width, room)
+                v_buf = _stack_right(vs, width, room)
+                self.cache.layers[li] = _roomy_layer()(k_buf, v_buf, width)
+        masks = [p.mask for p in parts]
+        if keep is not None:
+            masks = [masks[0].index_select(0, keep)[:, -width:]]
+        self._mask = _stack_right(masks, width, room)
+        self._mask[:, width:] = 1
+        self.width = width
+
     def merge(self, others: list[_Batch]) -> None:
-        """Append the rows of `others` (one copy of each cache, however many join)."""
+        """Append the rows of `others` (one copy of each cache, however many join; none: just make room)."""
         parts = [self, *others]
-        w = max(p.width for p in parts)
-        for li, layer in enumerate(self.cache.layers):
-            layer.keys = torch.cat([_pad_left(p.cache.layers[li].keys, w, -2) for p in parts])
-            layer.values = torch.cat([_pad_left(p.cache.layers[li].values, w, -2) for p in parts])
-        self.mask = torch.cat([_pad_left(p.mask, w, -1) for p in parts])
+        self._rebuild(parts, max(p.width for p in parts))
         self.pos = torch.cat([p.pos for p in parts])
         self.next = torch.cat([p.next for p in parts])
         self.seqs = [s for p in parts for s in p.seqs]
@@ -93,14 +166,18 @@ class _Batch:
     def compact(self) -> None:
         """Drop the finished rows, and the left columns no remaining row uses."""
         keep = [i for i, s in enumerate(self.seqs) if not s.finished]
-        idx = torch.tensor(keep, dtype=torch.int64, device=self.mask.device)
-        self.mask = self.mask.index_select(0, idx)
-        first = int(self.mask.any(0).int().argmax())
-        self.mask = self.mask[:, first:]
-        for layer in self.cache.layers:  # layers may sit on several devices (device_map="auto")
-            rows = idx.to(layer.keys.device)
-            layer.keys = layer.keys.index_select(0, rows)[:, :, first:]
-            layer.values = layer.values.index_select(0, rows)[:, :, first:]
+        idx = torch.tensor(keep, dtype=torch.int64, device=self.pos.device)
+        if self.mergeable:
+            first = int(self.mask.index_select(0, idx).any(0).int().argmax())
+            self._rebuild([self], self.width - first, keep=idx)
+        else:
+            mask = self.mask.index_select(0, idx)
+            first = int(mask.any(0).int().argmax())
+            self._mask, self.width = mask[:, first:], self.width - first
+            for layer in self.cache.layers:
+                rows = idx.to(layer.keys.device)
+                layer.keys = layer.keys.index_select(0, rows)[:, :, first:]
+                layer.values = layer.values.index_select(0, rows)[:, :, first:]
         self.pos = self.pos.index_select(0, idx)
         self.next = self.next.index_select(0, idx)
         self.seqs = [self.seqs[i] for i in keep]
@@ -144,10 +221,11 @@ class FallbackPath:
     def step(self) -> None:
         eng = self.engine
         cancels = eng.take_cancels()
-        for b in self._batches:
-            for seq in b.seqs:
-                if seq.req.request_id in cancels:
-                    eng.finish(seq, "cancelled")
+        if cancels:
+            for b in self._batches:
+                for seq in b.seqs:
+                    if seq.req.request_id in cancels:
+                        eng.finish(seq, "cancelled")
         for b in self._batches:
             self._decode(b)
         for b in list(self._batches):
@@ -220,8 +298,7 @@ class FallbackPath:
             if into is None:
                 into = joining.pop(0)
                 self._batches.append(into)
-            if joining:
-                into.merge(joining)
+            into.merge(joining)
         eng.stats["prefill_seconds"] += time.perf_counter() - t0
 
     def _prefill(self, chunk: list[Sequence]) -> _Batch:
@@ -262,27 +339,28 @@ class FallbackPath:
         while the device computes this one (a row that ended with them computed one token for nothing). A grammar's
         mask needs the token drawn just before, so a batch with a constrained row reads them before it picks."""
         old, b.pending = b.pending, None
-        if not any(not s.finished and s.n_launched < s.limit for s in b.seqs):
+        rows = [(i, s) for i, s in enumerate(b.seqs) if not s.finished]
+        if not any(s.n_launched < s.limit for _, s in rows):
             if old is not None:
                 self._accept(old)
             return
         eng = self.engine
         t0 = time.perf_counter()
-        b.mask = torch.cat([b.mask, b.mask.new_ones(b.mask.shape[0], 1)], dim=1)
+        b.grow()
         b.pos = b.pos + 1
         kw = {}
         if eng.is_peft:  # rows prefilled before the base was wrapped run on as base rows
             kw["adapter_names"] = b.adapters or ["__base__"] * len(b.seqs)
         logits = self._forward(input_ids=b.next[:, None], attention_mask=b.mask, position_ids=b.pos[:, None],
                                cache=b.cache, **kw)
-        if old is not None and any(s.logits is not None and s.logits.constrained for s in b.seqs):
+        if old is not None and any(s.logits is not None and s.logits.constrained for _, s in rows):
             self._accept(old)
             old = None
-        rows = list(enumerate(b.seqs))
-        b.next = pick(logits, None, rows, [s.n_launched for s in b.seqs])
-        for s in b.seqs:
+        # finished rows' tokens are never read: they take the argmax, unprocessed
+        b.next = pick(logits, None, rows, [s.n_launched for _, s in rows])
+        for _, s in rows:
             s.n_launched += 1
-        b.pending = HostTokens(b.next, [(i, s) for i, s in rows if not s.finished], eng.backend)
+        b.pending = HostTokens(b.next, rows, eng.backend)
         if old is not None:
             self._accept(old)
         live = b.live()
