@@ -73,6 +73,8 @@ def pick(logits: torch.Tensor, greedy: torch.Tensor | None, rows: list, steps: l
     temperature, top_p and seed); `steps` gives each one's output index. Rows with temperature > 0 are sampled,
     the others take `greedy` (argmax of logits when None). Rows whose requests ask for logits processing get it
     first (worker/engine/logits.py, which also keeps their logprobs)."""
+    if all(s.temperature == 0 and s.logits is None for _, s in rows):  # the common case, in one pass over the rows
+        return torch.argmax(logits, dim=-1) if greedy is None else greedy
     greedy = logits_processing.process(logits, rows, greedy)
     toks = torch.argmax(logits, dim=-1) if greedy is None else greedy
     samp = [(i, s, k) for (i, s), k in zip(rows, steps, strict=True) if s.temperature > 0]
