@@ -1,7 +1,12 @@
-"""Where the fallback path's time goes per decode step on CPU (a Phi-2-shaped model, bench/generation.py's
-phi2-tiny, float32, one thread): each part timed with perf_counter around it, after one warm request.
+"""Where the fallback path's time goes per decode step (a Phi-2-shaped model: bench/generation.py's phi2-tiny, float32,
+one thread on cpu): each part timed with perf_counter around it, after one warm request. On a GPU the times are the
+host's (the device runs behind it, except where a part waits for it).
 
-    PYTHONPATH=$PWD python docs/results/cpu-fallback-profile.py [rows] [new tokens]
+    PYTHONPATH=$PWD python docs/results/cpu-fallback-profile.py [rows] [new tokens] [device] [bench model] [prefill]
+    PYTHONPATH=$PWD python docs/results/cpu-fallback-profile.py 256 128 cuda phi2-0.6b   # bf16 on a GPU
+
+prefill: the engine's prefill_tokens (the fallback's prefill pieces are at most that many padded tokens; the
+engine's default when not given).
 """
 import random
 import sys
@@ -17,6 +22,9 @@ from worker.engine.requests import GenerationRequest, SamplingParams
 torch.set_num_threads(1)
 rows = int(sys.argv[1]) if len(sys.argv) > 1 else 256
 new = int(sys.argv[2]) if len(sys.argv) > 2 else 64
+device = sys.argv[3] if len(sys.argv) > 3 else "cpu"
+model_name = sys.argv[4] if len(sys.argv) > 4 else "phi2-tiny"
+prefill_tokens = int(sys.argv[5]) if len(sys.argv) > 5 else None
 torch.manual_seed(0)
 from transformers import AutoModelForCausalLM, PhiConfig  # noqa: E402
 
@@ -25,7 +33,12 @@ config = PhiConfig(vocab_size=2048, hidden_size=128, intermediate_size=512, num_
                    num_key_value_heads=4, max_position_embeddings=2048, partial_rotary_factor=0.5,
                    hidden_act="gelu_new", tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
                    pad_token_id=None)
-model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+if model_name != "phi2-tiny":
+    from bench.generation import CONFIGS
+
+    config = CONFIGS[model_name]()
+dtype = torch.float32 if device == "cpu" else torch.bfloat16
+model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
 rng = random.Random(0)
 prompts = [[rng.randrange(10, 2000) for _ in range(rng.randint(32, 255))] for _ in range(rows)]
 spent = defaultdict(float)  # seconds in each part, not counting the timed parts it calls
@@ -47,7 +60,8 @@ def timed(name, fn):
     return run
 
 
-eng = Engine(model, None, device="cpu", memory_budget_bytes=4 << 30, max_batch_size=rows)
+eng = Engine(model, None, device=device, memory_budget_bytes=4 << 30 if device == "cpu" else None,
+             max_batch_size=rows, prefill_tokens=prefill_tokens)
 eng.generate([GenerationRequest("warm", prompts[0], SamplingParams(max_new_tokens=4, temperature=0))])
 fb = eng.fallback
 forward = fb._forward
@@ -84,9 +98,11 @@ wall = time.perf_counter() - t
 eng.close()
 steps = eng.stats["decode_steps"] - before["decode_steps"]
 assert sum(len(r.output_ids) for r in res) == rows * new
-print(f"{rows} prompts of 32-255 tokens x {new} new tokens: wall {wall:.2f} s, {steps} decode steps")
+print(f"{rows} prompts of 32-255 tokens x {new} new tokens on {device}: wall {wall:.2f} s, {steps} decode steps, "
+      f"{eng.stats['prefill_calls'] - before['prefill_calls']} prefill calls")
 print("| part (not counting the parts below it) | calls | seconds | ms per decode step |\n| --- | ---: | ---: | ---: |")
 for k in sorted(spent, key=lambda k: -spent[k]):
     print(f"| {k} | {calls[k]} | {spent[k]:.3f} | {1e3 * spent[k] / steps:.2f} |")
 total = sum(spent.values())
-print(f"| all of step() | {calls['step() itself (cancels, dropping rows)']} | {total:.3f} | {1e3 * total / steps:.2f} |")
+print(f"| all of step() | {calls['step() itself (cancels, dropping rows)']} | {total:.3f} | "
+      f"{1e3 * total / steps:.2f} |")

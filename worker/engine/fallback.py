@@ -5,8 +5,8 @@ Why it is shaped this way: the model's own forward costs tens of milliseconds of
 batch, so throughput is rows per step. Every request therefore joins one running batch: new requests are prefilled
 (left padded, in pieces of at most prefill_tokens, launched back to back) and their caches merged into the running
 one at once, left padded to a common width, in buffers with room for every column its rows may still take: a decode
-step writes its column in place, where a DynamicLayer copies its whole cache every step (torch.cat: 3/4 of a 256-row
-step's time on cpu, docs/results/cpu-fallback-profile.md); the attention mask likewise. Finished rows are dropped
+step writes its column in place, where a DynamicLayer copies its whole cache every step (torch.cat: most of a 256-row
+decode step's time on cpu, docs/results/cpu-fallback-profile.md); the attention mask likewise. Finished rows are dropped
 (and the columns no row uses any more) once an eighth of the rows are done or the batch holds max_batch_size rows.
 Positions and the attention mask are per row, so padding never changes a row's tokens. The host reads step k's
 tokens while the device computes step k+1 (not for a batch holding a grammar-constrained request: its next mask
