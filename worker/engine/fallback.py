@@ -315,7 +315,9 @@ class FallbackPath:
         for i, s in enumerate(chunk):  # left padding
             ids[i, L - s.prompt_len:] = torch.tensor(s.req.prompt_ids)
             mask[i, L - s.prompt_len:] = 1
-        ids, mask = ids.to(eng.device), mask.to(eng.device)
+        if eng.backend != "cpu":  # pinned: a pageable copy would wait for the pieces launched before this one
+            ids, mask = ids.pin_memory(), mask.pin_memory()
+        ids, mask = ids.to(eng.device, non_blocking=True), mask.to(eng.device, non_blocking=True)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         adapters = None
         if eng.is_peft:
