@@ -5,6 +5,8 @@
 #   service   Qwen3-0.6B shape: the service at its shipped settings (current and long workloads, 64 chats), the
 #             engine called directly and plain generate's best configurations, in one process
 #   fallback  a Phi-2-shaped model (outside the native list): the engine's fallback path against plain generate
+#   fallback-profile  the same model's fallback step timed part by part on the host (docs/results/cpu-fallback-profile.py),
+#             at the shipped prefill pieces and at 4x larger ones
 #   long-generate  plain generate's baselines on the long workload, alone on the device
 #   ttft      live chats' time to first token through the service against the engine: idle, 64 at once, during a
 #             batch; then the same with every engine step's tokens streamed (XPUJOBS_ENGINE_STREAM_INTERVAL_MS=0)
@@ -45,6 +47,9 @@ for s in "$@"; do
     fallback)
       stage fallback 150 python3 -m bench.generation --model phi2-0.6b --device cuda \
         --variants generate-bs256,generate-static-bs256,engine --out "$OUT/h200-fallback.json" ;;
+    fallback-profile)
+      stage fallback-profile 150 python3 docs/results/cpu-fallback-profile.py 256 128 cuda phi2-0.6b
+      stage fallback-profile-32k 150 python3 docs/results/cpu-fallback-profile.py 256 128 cuda phi2-0.6b 32768 ;;
     long-generate)  # plain generate's baselines on the long workload, alone (the engine's cache is not there)
       stage long-generate 240 python3 -m bench.generation --model qwen3-0.6b --device cuda --workloads long \
         --generate-prompts 256 --variants long:generate-bs256,long:generate-static-bs256 \
