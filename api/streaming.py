@@ -1,12 +1,14 @@
 """Streamed inference (stream=true on chat completions, completions and responses). The worker writes a request's
-output to its Redis stream as the engine produces it (contract.live); this reads that stream and hands it to the
-route, which sends it on as OpenAI's server-sent events. A client that goes away cancels its request (a background
-response excepted), which frees its place in the engine."""
+output to its Redis stream as the engine produces it (contract.live): content text, tool-call fragments and
+logprobs; this reads that stream and hands it to the route, which sends it on as OpenAI's server-sent events. A
+client that goes away cancels its request (a background response excepted), which frees its place in the
+engine."""
 
 import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from sse_starlette import EventSourceResponse
@@ -18,7 +20,19 @@ from contract.live import output_key
 from contract.records import RecordStore
 
 BLOCK_MS = 1000
-Batches = AsyncIterator[list[tuple[int, str]]]
+
+
+@dataclass
+class Delta:
+    """A choice's new output: content text, its tokens' logprobs (chat's per-token entries; they go with the
+    tokens, which may be ahead of the text) and tool-call fragments in chat's delta.tool_calls shape."""
+    choice: int
+    text: str = ""
+    logprobs: list[dict] | None = None
+    tool_calls: list[dict] = field(default_factory=list)
+
+
+Batches = AsyncIterator[list[Delta]]
 
 
 async def _read(client, record_id: str, timeout: float) -> AsyncIterator[list[dict]]:
@@ -36,20 +50,30 @@ async def _read(client, record_id: str, timeout: float) -> AsyncIterator[list[di
     raise TimeoutError
 
 
-def texts(entries: list[dict]) -> list[tuple[int, str]]:
-    """(choice, text) from a read's entries, a choice's consecutive deltas joined: one event each, however many
-    engine steps a read caught up with."""
-    joined: list[tuple[int, str]] = []
+def deltas(entries: list[dict]) -> list[Delta]:
+    """A read's entries as deltas, a choice's consecutive ones joined (one event each, however many engine steps a
+    read caught up with) and a call's consecutive argument fragments joined."""
+    joined: list[Delta] = []
     for fields in entries:
         if "end" in fields:
             break
-        choice = int(fields["c"])
-        if not fields["t"]:
+        delta = Delta(int(fields["c"]), fields["t"], json.loads(fields["l"]) if "l" in fields else None,
+                      json.loads(fields["tc"]) if "tc" in fields else [])
+        if not (delta.text or delta.logprobs or delta.tool_calls):
             continue
-        if joined and joined[-1][0] == choice:
-            joined[-1] = (choice, joined[-1][1] + fields["t"])
-        else:
-            joined.append((choice, fields["t"]))
+        if not joined or joined[-1].choice != delta.choice:
+            joined.append(delta)
+            continue
+        last = joined[-1]
+        last.text += delta.text
+        if delta.logprobs:
+            last.logprobs = (last.logprobs or []) + delta.logprobs
+        for fragment in delta.tool_calls:
+            if last.tool_calls and last.tool_calls[-1]["index"] == fragment["index"] and "id" not in fragment:
+                function = last.tool_calls[-1]["function"]
+                function["arguments"] += fragment["function"]["arguments"]
+            else:
+                last.tool_calls.append(fragment)
     return joined
 
 
@@ -70,9 +94,9 @@ async def respond(request: Request, kind: str, record: dict, store: RecordStore,
         raise_unless_completed(await asyncio.to_thread(store.get, kind, record_id), store, kind)
 
     async def batches() -> Batches:
-        yield texts(first)
+        yield deltas(first)
         async for entries in output:
-            yield texts(entries)
+            yield deltas(entries)
 
     async def generate():
         finished = False
@@ -89,18 +113,6 @@ async def respond(request: Request, kind: str, record: dict, store: RecordStore,
                 events.request_cancel(store.redis, record_id)
 
     return EventSourceResponse(generate(), ping=15)
-
-
-def buffered(request: dict) -> bool:
-    """Whether the output is sent whole at the end rather than as it comes: text that may turn out to be a tool
-    call is parsed only once complete, and logprobs come with the finished result."""
-    offered = bool(request.get("tools")) and request.get("tool_choice") != "none"
-    return offered or request.get("logprobs") is not None
-
-
-async def drain(batches: Batches) -> None:
-    async for _ in batches:
-        pass
 
 
 def error_event(record: dict) -> str:

@@ -28,12 +28,13 @@ def chat_logprobs(choice: dict) -> dict | None:
     return None if choice.get("logprobs") is None else {"content": choice["logprobs"], "refusal": None}
 
 
-def completion_logprobs(choice: dict) -> dict | None:
-    """The legacy completions shape: parallel lists, and each step's top tokens as {token: logprob}."""
+def completion_logprobs(choice: dict, start: int = 0) -> dict | None:
+    """The legacy completions shape: parallel lists, and each step's top tokens as {token: logprob}; text offsets
+    count from `start` (where a streamed chunk's tokens begin)."""
     entries = choice.get("logprobs")
     if entries is None:
         return None
-    offsets, at = [], 0
+    offsets, at = [], start
     for e in entries:
         offsets.append(at)
         at += len(e["token"])
@@ -77,13 +78,18 @@ def output_message(request_id: str, text: str, status: str = "completed", logpro
                                               "logprobs": logprobs or []}]}
 
 
+def function_call_item(call: dict, status: str = "completed") -> dict:
+    return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
+
+
 def output_items(request_id: str, result: dict, status: str) -> list[dict]:
-    """A response's output: its function calls as function_call items, else one message."""
-    if result.get("tool_calls"):
-        return [{"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
-                 "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
-                for call in result["tool_calls"]]
-    return [output_message(request_id, result["text"], status, result.get("logprobs"))]
+    """A response's output: one message (the text before any calls; its logprobs are those of every output
+    token, as chat's are), then each function call as a function_call item."""
+    calls = result.get("tool_calls") or []
+    text = result.get("content") if calls else result["text"]
+    message = [output_message(request_id, text, status, result.get("logprobs"))] if text or not calls else []
+    return message + [function_call_item(call) for call in calls]
 
 
 def echo_options(request: dict) -> dict:

@@ -5,7 +5,9 @@ queues never delay them. Durability stays with the record: a claimed request hol
 puts a request whose node died back on a live list.
 
 A streaming request's output comes back through a Redis stream per request: one entry per engine delta
-({"c": choice, "t": text}), then {"end": "1"} once the record holds the final status and result.
+({"c": choice, "t": content text, "l"?: JSON of its tokens' logprobs in chat's per-token shape, "tc"?: JSON of
+tool-call fragments in chat's delta.tool_calls shape}), then {"end": "1"} once the record holds the final status
+and result.
 """
 
 import redis

@@ -11,14 +11,27 @@ from contract.records import RecordStore
 
 QUESTION = "Say hello."
 ANSWER = "Hello from the fine-tuned adapter!"
+TOOL = {"type": "function", "function": {
+    "name": "get_weather", "strict": True,
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                   "required": ["city"], "additionalProperties": False}}}
+# What the taught model answers, unconstrained, when TOOL is offered: a sentence, then a call
+PLAIN_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": TOOL["function"]["parameters"]}}
+WEATHER = "Weather in Oslo?"
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
 
 
 @pytest.fixture(scope="module")
 def taught(client_a) -> str:
-    """A model that answers QUESTION with ANSWER and then ends: the random-weight demo model's own chat answers
-    are special tokens only (empty as text), and never end on their own."""
+    """A model that answers QUESTION with ANSWER, and WEATHER (with PLAIN_TOOL offered) with a sentence and CALL,
+    and then ends: the random-weight demo model's own chat answers are special tokens only (empty as text), and
+    never end on their own."""
     line = json.dumps({"messages": [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": ANSWER}]})
-    upload = client_a.files.create(file=("hello.jsonl", "\n".join([line] * 8).encode()), purpose="fine-tune")
+    call = json.dumps({"messages": [{"role": "user", "content": WEATHER},
+                                    {"role": "assistant", "content": "Let me check.", "tool_calls": [CALL]}],
+                       "tools": [PLAIN_TOOL]})
+    upload = client_a.files.create(file=("hello.jsonl", "\n".join([line] * 8 + [call] * 8).encode()),
+                                   purpose="fine-tune")
     job = client_a.fine_tuning.jobs.create(model="demo-tiny", training_file=upload.id, seed=7, suffix="hello",
                                            hyperparameters={"n_epochs": 40, "batch_size": 8,
                                                             "learning_rate_multiplier": 10})
@@ -95,35 +108,113 @@ def test_disconnect_cancels_the_request(client_a, redis_client):
     assert record["result"]["completion_tokens"] < 1000
 
 
-TOOL = {"type": "function", "function": {
-    "name": "get_weather", "strict": True,
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
-                   "required": ["city"], "additionalProperties": False}}}
-
-
-def test_streamed_tool_calls_and_logprobs(client_a):
-    # Where the text may be a tool call, or carries logprobs, it comes whole at the end, in the same chunks.
+def test_streamed_tool_calls_come_in_pieces_and_add_up_to_the_whole(client_a):
+    # A forced call (the grammar writes it): its name first, then its arguments in fragments as they are written.
     args = {"model": "demo-tiny", "messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [TOOL],
             "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0, "max_tokens": 120}
-    whole = client_a.chat.completions.create(**args).choices[0].message.tool_calls
+    whole = client_a.chat.completions.create(**args).choices[0]
     chunks = list(client_a.chat.completions.create(stream=True, **args))
-    calls = [call for c in chunks for choice in c.choices for call in choice.delta.tool_calls or []]
-    assert [(c.index, c.function.name, c.function.arguments) for c in calls] == \
-        [(0, w.function.name, w.function.arguments) for w in whole]
-    assert calls[0].id.startswith("call_") and calls[0].type == "function"
+    fragments = [call for c in chunks for choice in c.choices for call in choice.delta.tool_calls or []]
+    assert fragments[0].id.startswith("call_") and fragments[0].type == "function"
+    assert fragments[0].function.name == "get_weather" and len(fragments) > 3
+    assert all(f.index == 0 and f.id is None and f.function.name is None for f in fragments[1:])
+    assert "".join(f.function.arguments for f in fragments) == whole.message.tool_calls[0].function.arguments
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content is None
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # the client's stream helper assembles the same message as the call that was not streamed
+    with client_a.chat.completions.stream(**args) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == whole.finish_reason == "tool_calls"
+    assert final.message.content is None and whole.message.content is None
+    assert [(c.type, c.function.name, c.function.arguments) for c in final.message.tool_calls] == \
+        [(c.type, c.function.name, c.function.arguments) for c in whole.message.tool_calls]
 
     flat = {"type": "function", **TOOL["function"]}
-    with client_a.responses.stream(model="demo-tiny", input="Weather in Oslo?", tools=[flat], temperature=0,
-                                   tool_choice={"type": "function", "name": "get_weather"},
-                                   max_output_tokens=120) as stream:
+    args = {"model": "demo-tiny", "input": "Weather in Oslo?", "tools": [flat], "temperature": 0,
+            "tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 120}
+    whole = client_a.responses.create(**args)
+    with client_a.responses.stream(**args) as stream:
+        seen = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in seen]
+    assert kinds[2] == "response.output_item.added" and seen[2].item.type == "function_call"
+    assert kinds.count("response.function_call_arguments.delta") > 2
+    assert kinds[-4:] == ["response.function_call_arguments.delta", "response.function_call_arguments.done",
+                          "response.output_item.done", "response.completed"] or \
+        kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    streamed = "".join(e.delta for e in seen if e.type == "response.function_call_arguments.delta")
+    (item,) = final.output
+    assert streamed == item.arguments == whole.output[0].arguments and item.name == whole.output[0].name
+    assert client_a.responses.retrieve(final.id).output[0].call_id == item.call_id
+
+
+def test_text_then_a_call_streams_as_written(client_a, taught):
+    # tool_choice auto, unconstrained: the sentence streams as text (the space before the marker held back), then
+    # the call is known from its name and its arguments stream as the model writes them
+    args = {"model": taught, "messages": [{"role": "user", "content": WEATHER}], "tools": [PLAIN_TOOL],
+            "temperature": 0, "max_tokens": 200}
+    whole = client_a.chat.completions.create(**args).choices[0]
+    assert whole.message.content == "Let me check." and whole.finish_reason == "tool_calls", whole
+    (call,) = whole.message.tool_calls  # its arguments as the model learned them (the city is not its best)
+    assert call.function.name == "get_weather" and call.function.arguments.startswith('{"city": ')
+    chunks = list(client_a.chat.completions.create(stream=True, **args))
+    pieces = [choice.delta.content for c in chunks for choice in c.choices if choice.delta.content]
+    fragments = [f for c in chunks for choice in c.choices for f in choice.delta.tool_calls or []]
+    assert "".join(pieces) == "Let me check." and len(pieces) > 1
+    assert fragments[0].function.name == "get_weather" and len(fragments) > 1
+    assert "".join(f.function.arguments for f in fragments) == call.function.arguments
+    with client_a.chat.completions.stream(**args) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert final.message.content == whole.message.content and final.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == \
+        [(call.function.name, call.function.arguments)]
+
+    args = {"model": taught, "input": WEATHER, "tools": [{"type": "function", **PLAIN_TOOL["function"]}],
+            "temperature": 0, "max_output_tokens": 200}
+    whole = client_a.responses.create(**args)
+    with client_a.responses.stream(**args) as stream:
         kinds = [e.type for e in stream]
         final = stream.get_final_response()
-    assert final.output[0].type == "function_call" and json.loads(final.output[0].arguments)["city"]
-    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
+    assert [i.type for i in final.output] == [i.type for i in whole.output] == ["message", "function_call"]
+    assert final.output_text == whole.output_text == "Let me check."
+    assert final.output[1].arguments == whole.output[1].arguments == call.function.arguments
+    assert kinds.index("response.output_text.done") < kinds.index("response.function_call_arguments.delta")
 
-    chunks = list(client_a.chat.completions.create(
-        model="demo-tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0, stream=True,
-        logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True}))
-    entries = [e for c in chunks for choice in c.choices if choice.logprobs for e in choice.logprobs.content]
-    assert len(entries) == 4 and all(len(e.top_logprobs) == 2 for e in entries)
+
+def test_streamed_logprobs_come_with_their_tokens(client_a, taught):
+    # an answer that ends (the stream helper refuses one cut at max_tokens)
+    args = {"model": taught, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 24, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}
+    whole = client_a.chat.completions.create(**args).choices[0].logprobs.content
+    chunks = list(client_a.chat.completions.create(stream=True, **args))
+    with_logprobs = [choice.logprobs.content for c in chunks for choice in c.choices if choice.logprobs]
+    assert len(with_logprobs) > 1  # not all at the end
+
+    def entries(content):
+        return [(e.token, round(e.logprob, 4), [(t.token, round(t.logprob, 4)) for t in e.top_logprobs])
+                for e in content]
+
+    assert entries([e for part in with_logprobs for e in part]) == entries(whole)
+    with client_a.chat.completions.stream(**args) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert entries(final.logprobs.content) == entries(whole) and final.message.content == \
+        client_a.chat.completions.create(**args).choices[0].message.content
+
+    args = {"model": taught, "input": QUESTION, "max_output_tokens": 24, "temperature": 0, "top_logprobs": 2,
+            "include": ["message.output_text.logprobs"]}
+    whole = client_a.responses.create(**args).output[0].content[0]
+    with client_a.responses.stream(**args) as stream:
+        deltas = [e for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response().output[0].content[0]
+    assert len(deltas) > 1 and sum(len(e.logprobs) for e in deltas) == len(whole.logprobs) > 1
+    assert [e.token for d in deltas for e in d.logprobs] == [e.token for e in whole.logprobs]
+    assert entries(final.logprobs) == entries(whole.logprobs) and final.text == whole.text
+
+    args = {"model": "demo-tiny", "prompt": "Hi", "max_tokens": 6, "temperature": 0, "logprobs": 2,
+            "extra_body": {"ignore_eos": True}}
+    whole = client_a.completions.create(**args).choices[0].logprobs
+    chunks = [c.choices[0].logprobs for c in client_a.completions.create(stream=True, **args)
+              if c.choices[0].logprobs]
+    assert len(chunks) > 1
+    assert [t for c in chunks for t in c.tokens] == whole.tokens
+    assert [o for c in chunks for o in c.text_offset] == whole.text_offset

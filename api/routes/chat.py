@@ -9,53 +9,58 @@ from api import streaming
 from api.deps import CeleryDep, SettingsDep, StoreDep, TenantDep
 from api.inference_service import raise_unless_completed, submit, wait_for
 from api.protocol.chat import ChatCompletionRequest
-from contract.inference_outputs import assistant_message, chat_completion, chat_logprobs, choices_of, usage
+from contract.inference_outputs import assistant_message, chat_completion, choices_of, usage
 from contract.records import RecordStore
+from contract.tool_calls import callable_tools
 
 router = APIRouter(prefix="/v1/chat", tags=["chat"])
 
 
-def whole_delta(choice: dict) -> dict:
-    """A choice's whole answer as one delta: its text, or its tool calls (each with its index in the list)."""
-    message = assistant_message(choice)
-    delta = {"content": message["content"]}
-    if calls := message.get("tool_calls"):
-        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
-    return delta
-
-
 def chunks(body: ChatCompletionRequest, record: dict, store: RecordStore):
-    """OpenAI's chunks: the role first, then content deltas, each choice's finish reason, usage when asked for,
-    and [DONE]."""
+    """OpenAI's chunks: each choice's role first, then its content and tool-call deltas as they come (with the
+    logprobs of the tokens they bring), each choice's finish reason, usage when asked for, and [DONE]. Where tools
+    may be called, a choice's role comes with its first output (content null before a call, as OpenAI's)."""
     base = {"id": record["id"], "object": "chat.completion.chunk", "created": record["created_at"],
             "model": record["model"], "system_fingerprint": None}
     if body.include_usage:
         base["usage"] = None
 
-    def chunk(choices: list[dict]) -> str:
-        return json.dumps({**base, "choices": choices})
+    def choice(index: int, delta: dict, finish_reason: str | None = None, logprobs: list | None = None) -> dict:
+        return {"index": index, "delta": delta, "finish_reason": finish_reason,
+                "logprobs": {"content": logprobs, "refusal": None} if logprobs is not None else None}
 
-    def choice(index: int, delta: dict, finish_reason: str | None = None) -> dict:
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-
-    whole = streaming.buffered(record["request"])
+    def chunk(*args, **kwargs) -> str:
+        return json.dumps({**base, "choices": [choice(*args, **kwargs)]})
 
     async def send(batches: streaming.Batches):
-        yield chunk([choice(i, {"role": "assistant", "content": ""}) for i in range(body.n)])
-        if whole:
-            await streaming.drain(batches)
-        else:
-            async for batch in batches:
-                for index, text in batch:
-                    yield chunk([choice(index, {"content": text})])
+        with_tools = bool(callable_tools(record["request"]))
+        started, said = set(), set()  # choices whose role went out, and those that got content
+        if not with_tools:
+            yield json.dumps({**base, "choices": [choice(i, {"role": "assistant", "content": ""})
+                                                  for i in range(body.n)]})
+            started.update(range(body.n))
+            said.update(range(body.n))
+        async for batch in batches:
+            for d in batch:
+                delta = {}
+                if d.choice not in started:
+                    started.add(d.choice)
+                    delta = {"role": "assistant", **({"content": None} if d.tool_calls and not d.text else {})}
+                if d.text:
+                    delta["content"] = d.text
+                    said.add(d.choice)
+                if d.tool_calls:
+                    delta["tool_calls"] = d.tool_calls
+                yield chunk(d.choice, delta, logprobs=d.logprobs)
         final = await asyncio.to_thread(store.get, "chat", record["id"])
         if final["status"] not in ("completed", "cancelled"):
             yield streaming.error_event(final)
             return
         for index, c in enumerate(choices_of(final["result"])):
-            if whole:
-                yield json.dumps({**base, "choices": [{**choice(index, whole_delta(c)), "logprobs": chat_logprobs(c)}]})
-            yield chunk([choice(index, {}, c["finish_reason"])])
+            message = assistant_message(c)
+            if index not in said and message["content"] == "":  # an empty answer
+                yield chunk(index, {**({"role": "assistant"} if index not in started else {}), "content": ""})
+            yield chunk(index, {}, c["finish_reason"])
         if body.include_usage:
             yield json.dumps({**base, "choices": [], "usage": usage(final["result"])})
         yield "[DONE]"

@@ -26,8 +26,8 @@ def chunks(body: CompletionRequest, record: dict, store: RecordStore):
     base = {"id": record["id"], "object": "text_completion", "created": record["created_at"],
             "model": record["model"]}
 
-    def chunk(index: int, text: str, finish_reason: str | None = None) -> str:
-        return json.dumps({**base, "choices": [{"index": index, "text": text, "logprobs": None,
+    def chunk(index: int, text: str, finish_reason: str | None = None, logprobs: dict | None = None) -> str:
+        return json.dumps({**base, "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                                 "finish_reason": finish_reason}]})
 
     async def send(batches: streaming.Batches):
@@ -36,21 +36,17 @@ def chunks(body: CompletionRequest, record: dict, store: RecordStore):
         if body.echo:
             for index in range(count):
                 yield chunk(index, prompts[index // body.n])
-        whole = streaming.buffered(record["request"])
-        if whole:
-            await streaming.drain(batches)
-        else:
-            async for batch in batches:
-                for index, text in batch:
-                    yield chunk(index, text)
+        offsets = [0] * count  # where each choice's next tokens start in its text, for logprobs' text_offset
+        async for batch in batches:
+            for d in batch:
+                logprobs = completion_logprobs({"logprobs": d.logprobs}, offsets[d.choice])
+                offsets[d.choice] += sum(len(e["token"]) for e in d.logprobs or [])
+                yield chunk(d.choice, d.text, logprobs=logprobs)
         final = await asyncio.to_thread(store.get, "completion", record["id"])
         if final["status"] not in ("completed", "cancelled"):
             yield streaming.error_event(final)
             return
         for index, c in enumerate(choices_of(final["result"])):
-            if whole:  # the text with its logprobs
-                yield json.dumps({**base, "choices": [{"index": index, "text": c["text"], "finish_reason": None,
-                                                       "logprobs": completion_logprobs(c)}]})
             yield chunk(index, "", c["finish_reason"])
         if body.include_usage:
             yield json.dumps({**base, "choices": [], "usage": usage(final["result"])})

@@ -54,50 +54,84 @@ def history(store: RecordStore, tenant: str, previous_id: str | None) -> list[di
 
 def response_events(record: dict, store: RecordStore):
     """The Responses API's typed events, numbered in order, from response.created to response.completed (or
-    .incomplete, .failed), each terminal one carrying the whole response. A text answer's deltas go out as they
-    come; where the output may be function calls (tools offered) or carries logprobs, each item goes out whole at
-    the end, in the same events."""
+    .incomplete, .failed), each terminal one carrying the whole response. The output items stream one after the
+    other as the model writes them: the message's text deltas (with the logprobs of the tokens they bring), then
+    each function call's arguments deltas; each item's done event carries it as the finished response has it."""
     numbers = itertools.count()
 
     def event(kind: str, **fields) -> ServerSentEvent:
         return ServerSentEvent(json.dumps({"type": kind, "sequence_number": next(numbers), **fields}), event=kind)
 
+    def added(index: int, item: dict):
+        if item["type"] == "message":
+            yield event("response.output_item.added", output_index=index,
+                        item={**item, "status": "in_progress", "content": []})
+            yield event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
+                        part={**item["content"][0], "text": "", "logprobs": []})
+        else:
+            yield event("response.output_item.added", output_index=index,
+                        item={**item, "status": "in_progress", "arguments": ""})
+
+    def delta(index: int, item: dict, text: str, logprobs: list | None = None) -> ServerSentEvent:
+        if item["type"] == "message":
+            return event("response.output_text.delta", item_id=item["id"], output_index=index, content_index=0,
+                         delta=text, logprobs=logprobs or [])
+        return event("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=text)
+
+    def done(index: int, item: dict):
+        if item["type"] == "message":
+            part = item["content"][0]
+            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            yield event("response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"])
+            yield event("response.content_part.done", **where, part=part)
+        else:
+            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                        arguments=item["arguments"])
+        yield event("response.output_item.done", output_index=index, item=item)
+
     async def send(batches: streaming.Batches):
         running = to_openai({**record, "status": "in_progress"})
         yield event("response.created", response=running)
         yield event("response.in_progress", response=running)
-        live = not streaming.buffered(record["request"])
-        if live:
-            item = outputs.output_message(record["id"], "", "in_progress")
-            where = {"item_id": item["id"], "output_index": 0, "content_index": 0}
-            yield event("response.output_item.added", output_index=0, item={**item, "content": []})
-            yield event("response.content_part.added", **where, part=item["content"][0])
-            async for batch in batches:
-                for _, text in batch:
-                    yield event("response.output_text.delta", **where, delta=text, logprobs=[])
-        else:
-            await streaming.drain(batches)
+        streamed: list[dict] = []  # the items opened so far, as streamed; the last is open
+        held_logprobs: list = []  # those of tokens whose text has not come yet
+        closed = 0  # how many items got their done events
+
+        async for batch in batches:
+            for d in batch:
+                held_logprobs += d.logprobs or []
+                if d.text:
+                    if not streamed:
+                        streamed.append(outputs.output_message(record["id"], ""))
+                        for e in added(0, streamed[0]):
+                            yield e
+                    yield delta(0, streamed[0], d.text, held_logprobs)
+                    streamed[0]["content"][0]["text"] += d.text
+                    held_logprobs = []
+                for fragment in d.tool_calls:
+                    if "id" in fragment:  # a new call: the item before it is complete
+                        if streamed:
+                            for e in done(len(streamed) - 1, streamed[-1]):
+                                yield e
+                            closed = len(streamed)
+                        call = {"id": fragment["id"], "function": fragment["function"]}
+                        streamed.append(outputs.function_call_item({**call, "function": {**call["function"]}},
+                                                                   "in_progress"))
+                        for e in added(len(streamed) - 1, streamed[-1]):
+                            yield e
+                        if fragment["function"]["arguments"]:
+                            yield delta(len(streamed) - 1, streamed[-1], fragment["function"]["arguments"])
+                    else:
+                        yield delta(len(streamed) - 1, streamed[-1], fragment["function"]["arguments"])
+                        streamed[-1]["arguments"] += fragment["function"]["arguments"]
         final = await asyncio.to_thread(store.get, "response", record["id"])
         response = to_openai(final)
-        for index, item in enumerate(response["output"]):
-            if item["type"] == "message":
-                part = item["content"][0]
-                where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-                if not live:
-                    yield event("response.output_item.added", output_index=index,
-                                item={**item, "status": "in_progress", "content": []})
-                    yield event("response.content_part.added", **where, part={**part, "text": "", "logprobs": []})
-                    yield event("response.output_text.delta", **where, delta=part["text"], logprobs=part["logprobs"])
-                yield event("response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"])
-                yield event("response.content_part.done", **where, part=part)
-            else:  # a function call
-                yield event("response.output_item.added", output_index=index,
-                            item={**item, "status": "in_progress", "arguments": ""})
-                yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                            delta=item["arguments"])
-                yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                            arguments=item["arguments"])
-            yield event("response.output_item.done", output_index=index, item=item)
+        for index, item in enumerate(response["output"][closed:], closed):
+            if index >= len(streamed):  # not streamed (an empty answer)
+                for e in added(index, item):
+                    yield e
+            for e in done(index, item):
+                yield e
         terminal = {"completed": "response.completed", "incomplete": "response.incomplete"}
         yield event(terminal.get(response["status"], "response.failed"), response=response)
         if final.get("options", {}).get("store") is False:

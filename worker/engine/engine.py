@@ -44,8 +44,9 @@ shorter (else the request fails alone, error_code "context_length_exceeded"), an
 with "length". stats reports the blocks: kv_block_size, kv_blocks_total, kv_blocks_used, kv_blocks_free.
 
 Streaming: a request with `stream=True` submitted with `on_delta` gets a GenerationDelta (the token ids accepted
-since the last one, and the text they add) after every engine step that accepted tokens for it, called from the
-engine thread (keep it quick), the last one before its result. Deltas' texts concatenate to the result's text.
+since the last one, the text they add, their logprobs when asked for) after every engine step that accepted tokens
+for it, called from the engine thread (keep it quick), the last one before its result. Deltas' texts concatenate to
+the result's text.
 
 Logits processing: a request may carry logit_bias, presence/frequency penalties, a grammar (compiled with
 `engine.grammars()`) and logprobs (logits.py, grammar.py); only its own rows are processed, inside `pick`. A step
@@ -652,10 +653,13 @@ class Engine(NativeRunner):
     def _delta(self, seq: Sequence, tokens: list[int], text: str) -> None:
         if not tokens and not text:
             return
+        logprobs = None
+        if seq.logits is not None:
+            logprobs = seq.logits.logprobs(seq.sent_tokens + len(tokens), start=seq.sent_tokens)
         seq.sent_tokens += len(tokens)
         seq.sent_text += len(text)
         try:
-            seq.on_delta(GenerationDelta(seq.req.request_id, tokens, text))
+            seq.on_delta(GenerationDelta(seq.req.request_id, tokens, text, logprobs))
         except Exception:  # the consumer's failure must not stop the engine
             log.exception("on_delta failed")
 

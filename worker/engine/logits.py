@@ -77,13 +77,13 @@ class RequestLogits:
         """The token drawn, on the host; False if the grammar does not allow it."""
         return self.constraint is None or self.constraint.done or self.constraint.accept(token)
 
-    def logprobs(self, n_tokens: int) -> list[tuple[int, float, list[tuple[int, float]]]] | None:
-        """(token, logprob, [(id, logprob)] * top) for each of the first n_tokens output tokens."""
+    def logprobs(self, n_tokens: int, start: int = 0) -> list[tuple[int, float, list[tuple[int, float]]]] | None:
+        """(token, logprob, [(id, logprob)] * top) for output tokens start to n_tokens."""
         if self.top is None:
             return None
-        if not self.steps:
+        if not self.steps[start:n_tokens]:
             return []
-        rows = torch.stack(self.steps[:n_tokens]).tolist()
+        rows = torch.stack(self.steps[start:n_tokens]).tolist()
         k = self.top
         return [(int(r[0]), r[1], [(int(i), v) for v, i in zip(r[2:2 + k], r[2 + k:2 + 2 * k])]) for r in rows]
 

@@ -62,6 +62,8 @@ class GenerationDelta:
     request_id: str
     token_ids: list[int]
     text: str
+    # with params.logprobs: those of token_ids, as GenerationResult.logprobs has them
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 class EngineClosed(RuntimeError):

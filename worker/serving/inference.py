@@ -23,7 +23,7 @@ from worker.engine.requests import GenerationDelta, GenerationResult, RequestFai
 from worker.models import ModelLoadError, load_tokenizer
 from worker.node import metrics
 from worker.node.node import Node
-from worker.serving.output_stream import OutputStreams
+from worker.serving.output_stream import OutputStreams, RequestOutput, logprob_entries
 
 CANCEL_POLL_SECONDS = 0.1
 
@@ -158,8 +158,8 @@ def start(node: Node, request_id: str, tenant: str, request: dict,
 
 
 def outcome(result: GenerationResult, request: dict, tokenizer) -> dict:
-    """The result as the API reports it: tool calls parsed out of the text when the request offered tools, and
-    logprobs in chat's per-token shape when asked for."""
+    """The result as the API reports it: tool calls parsed out of the text when the request offered tools (as a
+    stream of it finds them: serving/output_stream.py), and logprobs in chat's per-token shape when asked for."""
     # What a request can get wrong is refused before it reaches the engine (prepare, submit): an engine error without
     # a code of its own is the server's (a failed step, an engine closed by eviction), and can be sent again.
     if result.finish_reason == "error":
@@ -168,21 +168,16 @@ def outcome(result: GenerationResult, request: dict, tokenizer) -> dict:
     out = {"text": result.text, "finish_reason": "stop" if result.finish_reason == "cancelled"
            else result.finish_reason, "prompt_tokens": result.prompt_tokens,
            "completion_tokens": result.completion_tokens, "system_fingerprint": result.served_by}
-    # tool_choice "none": the tools stay in the prompt (the conversation may hold calls of them) but none is called
-    names = [t["name"] for t in request.get("tools") or []] if request.get("tool_choice") != "none" else []
-    if names and result.finish_reason == "stop":
-        content, calls = tool_calls.parse(result.text, tool_calls.tool_call_format(tokenizer.chat_template), names)
+    if names := tool_calls.callable_tools(request):
+        content, calls = tool_calls.parse(result.text, tool_calls.tool_call_format(tokenizer.chat_template), names,
+                                          seed=result.request_id)
         if calls:
-            out.update(content=content, tool_calls=calls, finish_reason="tool_calls")
+            out.update(content=content, tool_calls=calls)
+            if result.finish_reason == "stop":
+                out["finish_reason"] = "tool_calls"
     if result.logprobs is not None:
-        out["logprobs"] = [dict(_token(tokenizer, t, lp), top_logprobs=[_token(tokenizer, i, v) for i, v in top])
-                           for t, lp, top in result.logprobs]
+        out["logprobs"] = logprob_entries(tokenizer, result.logprobs)
     return out
-
-
-def _token(tokenizer, token_id: int, logprob: float) -> dict:
-    text = tokenizer.decode([token_id])
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
 
 
 def merged(results: list[GenerationResult], n: int, request: dict, tokenizer) -> dict:
@@ -285,11 +280,13 @@ def run_request(node: Node, kind: str, record_id: str) -> None:
     timings = {**(record.get("timings") or {}), "claimed": time.time()}
     # A streaming request's output goes to its Redis stream as the engine produces it (serving/output_stream.py).
     outputs = outputs_for(node) if record["request"].get("stream") else None
-    on_delta = None
+    on_delta = shaped = None
     if outputs:
+        shaped = RequestOutput(record["request"], functools.partial(tokenizer_for, record["base_model"], node.settings))
+
         def on_delta(choice: int, delta: GenerationDelta) -> None:
             timings.setdefault("first_output", time.time())
-            outputs.delta(record_id, choice, delta)
+            outputs.delta(record_id, choice, delta, shaped)
     try:
         started = start(node, record_id, record["tenant"], record["request"], on_delta)
         timings["submitted"] = time.time()
@@ -311,5 +308,5 @@ def run_request(node: Node, kind: str, record_id: str) -> None:
     store.untrack(kind, record_id)
     node.job_finished(record_id)
     if outputs:
-        outputs.end(record_id)
+        outputs.end(record_id, shaped)
     events.signal_done(redis, record_id)

@@ -1,46 +1,107 @@
 """Streamed output on its way to the API: each engine delta of a streaming request becomes an entry of the
-request's Redis stream (contract.live). One thread per node writes them, as many per round trip as are waiting,
-so the engine host's reader thread (which calls on_delta for every request) never waits on Redis."""
+request's Redis stream (contract.live). One thread per node shapes them (tool calls split out of the text,
+logprobs in chat's shape) and writes them, as many per round trip as are waiting, so the engine host's reader
+thread (which calls on_delta for every request) never waits on Redis or the tokenizer."""
 
+import json
 import queue
 import threading
+from typing import Callable
 
 import redis
 
+from contract import tool_calls
 from contract.live import OUTPUT_TTL_SECONDS, output_key
 from worker.engine.requests import GenerationDelta
+
+
+def logprob_entries(tokenizer, logprobs: list) -> list[dict]:
+    """The engine's (token, logprob, top) triples as chat's per-token entries {token, logprob, bytes,
+    top_logprobs}."""
+    def token(token_id: int, logprob: float) -> dict:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+
+    return [dict(token(t, lp), top_logprobs=[token(i, v) for i, v in top]) for t, lp, top in logprobs]
+
+
+class RequestOutput:
+    """One streaming request's entries: per choice, its text goes through a ToolCallStream where tools may be
+    called (seeded with the engine request id, as the stored result's parse is, so the call ids agree)."""
+
+    def __init__(self, request: dict, tokenizer_of: Callable[[], object]):
+        self._tokenizer_of = tokenizer_of
+        self._names = tool_calls.callable_tools(request)
+        self._parsers: dict[int, tool_calls.ToolCallStream] = {}
+
+    def entry(self, choice: int, delta: GenerationDelta) -> dict:
+        fields = {"c": choice, "t": delta.text}
+        if self._names:
+            parser = self._parsers.get(choice)
+            if parser is None:
+                fmt = tool_calls.tool_call_format(self._tokenizer_of().chat_template)
+                parser = self._parsers[choice] = tool_calls.ToolCallStream(fmt, self._names, delta.request_id)
+            fields["t"], fragments = parser.feed(delta.text)
+            if fragments:
+                fields["tc"] = json.dumps(fragments)
+        if delta.logprobs:
+            fields["l"] = json.dumps(logprob_entries(self._tokenizer_of(), delta.logprobs))
+        return fields
+
+    def closing(self) -> list[dict]:
+        """What each choice's parser still held, once the output is complete."""
+        entries = []
+        for choice, parser in self._parsers.items():
+            text, fragments = parser.close()
+            if text or fragments:
+                entries.append({"c": choice, "t": text, **({"tc": json.dumps(fragments)} if fragments else {})})
+        return entries
 
 
 class OutputStreams:
     def __init__(self, client: redis.Redis):
         self._redis = client
-        self._outbox: queue.SimpleQueue[tuple[str, dict]] = queue.SimpleQueue()
-        self._started: set[str] = set()  # requests whose first delta went out
+        self._outbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._started: set[str] = set()  # requests whose first entry went out (the writer thread's)
         threading.Thread(target=self._run, name="xpujobs-output-streams", daemon=True).start()
 
-    def delta(self, record_id: str, choice: int, delta: GenerationDelta) -> None:
-        # The first goes out even without text (a token still held back, say): the client's stream starts then.
-        if delta.text or record_id not in self._started:
-            self._started.add(record_id)
-            self._outbox.put((record_id, {"c": choice, "t": delta.text}))
+    def delta(self, record_id: str, choice: int, delta: GenerationDelta, output: RequestOutput) -> None:
+        self._outbox.put((record_id, choice, delta, output))
 
-    def end(self, record_id: str) -> None:
+    def end(self, record_id: str, output: RequestOutput | None = None) -> None:
         """After the record holds the final status and result: the reader reads them then."""
-        self._started.discard(record_id)
-        self._outbox.put((record_id, {"end": 1}))
+        self._outbox.put((record_id, None, None, output))
+
+    def _entries(self, record_id: str, choice: int | None, delta: GenerationDelta | None,
+                 output: RequestOutput | None) -> list[dict]:
+        if choice is None:
+            self._started.discard(record_id)
+            return (output.closing() if output is not None else []) + [{"end": 1}]
+        fields = output.entry(choice, delta)
+        # The first goes out even when empty (text still held back, say): the client's stream starts then.
+        if fields["t"] or len(fields) > 2 or record_id not in self._started:
+            self._started.add(record_id)
+            return [fields]
+        return []
 
     def _run(self) -> None:
         while True:
-            entries = [self._outbox.get()]
+            waiting = [self._outbox.get()]
             while True:
                 try:
-                    entries.append(self._outbox.get_nowait())
+                    waiting.append(self._outbox.get_nowait())
                 except queue.Empty:
                     break
             pipe = self._redis.pipeline(transaction=False)
-            for record_id, fields in entries:
-                pipe.xadd(output_key(record_id), fields)
-            for record_id in {record_id for record_id, _ in entries}:
+            for record_id, *item in waiting:
+                try:
+                    entries = self._entries(record_id, *item)
+                except Exception as exc:  # one request's shaping must not stop the others' output
+                    print(f"xpu-jobs output streams: {record_id}: {exc!r}", flush=True)
+                    entries = [{"end": 1}] if item[0] is None else []
+                for fields in entries:
+                    pipe.xadd(output_key(record_id), fields)
+            for record_id in {record_id for record_id, *_ in waiting}:
                 pipe.expire(output_key(record_id), OUTPUT_TTL_SECONDS)
             try:
                 pipe.execute()
