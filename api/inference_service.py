@@ -7,6 +7,7 @@ import time
 
 import redis.asyncio as aioredis
 from celery import Celery
+from starlette.requests import Request
 
 from api.catalog import resolve
 from api.errors import APIError
@@ -62,23 +63,38 @@ def submit(kind: str, tenant: str, request: dict, *, settings: Settings, store: 
     return record
 
 
-async def wait_for(record_id: str, kind: str, *, store: RecordStore, client: aioredis.Redis,
-                   timeout: float) -> dict:
-    """Block (without holding a thread) until the request has finished, then read it.
+def client_gone() -> APIError:
+    """What a request whose client went away ends with (nobody reads it; nginx's status for it, in the logs)."""
+    return APIError(499, "The client closed the connection; the request was cancelled.", code="client_closed")
+
+
+def _cancel(kind: str, record_id: str, store: RecordStore) -> None:
+    """Stop the request in the engine, or (still queued) before it starts."""
+    events.request_cancel(store.redis, record_id)
+    store.transition(kind, record_id, ["queued"], {"status": "cancelled"})
+
+
+async def wait_for(record_id: str, kind: str, *, store: RecordStore, client: aioredis.Redis, timeout: float,
+                   request: Request) -> dict:
+    """Block (without holding a thread) until the request has finished, then read it. A client that disconnects
+    meanwhile cancels it, as a streaming one does, so it does not hold its place in the engine for nobody.
 
     A done signal whose record is not finished (it was requeued meanwhile) means: keep waiting. Short BLPOPs in
-    a loop, since one long one would outlast the client's socket timeout (5 s by default)."""
+    a loop, since one long one would outlast the client's socket timeout (5 s by default); the disconnect is
+    looked for between them."""
     deadline = time.monotonic() + timeout
     while (remaining := deadline - time.monotonic()) > 0:
         if await client.blpop([events.done_key(record_id)], timeout=max(0.01, min(1.0, remaining))):
             record = await asyncio.to_thread(store.get, kind, record_id)
             if record["status"] in TERMINAL:
                 return record
+        elif await request.is_disconnected():
+            await asyncio.to_thread(_cancel, kind, record_id, store)
+            raise client_gone()
     record = await asyncio.to_thread(store.get, kind, record_id)
     if record["status"] in TERMINAL:
         return record
-    events.request_cancel(store.redis, record_id)
-    store.transition(kind, record_id, ["queued"], {"status": "cancelled"})
+    _cancel(kind, record_id, store)
     raise APIError(504, f"The request did not finish within {timeout:.0f} s and was cancelled.", code="timeout")
 
 

@@ -1,8 +1,8 @@
 """Streamed inference (stream=true on chat completions, completions and responses). The worker writes a request's
 output to its Redis stream as the engine produces it (contract.live): content text, tool-call fragments and
 logprobs; this reads that stream and hands it to the route, which sends it on as OpenAI's server-sent events. A
-client that goes away cancels its request (a background response excepted), which frees its place in the
-engine."""
+client that goes away, before the first output or after, cancels its request (a background response excepted),
+which frees its place in the engine."""
 
 import asyncio
 import json
@@ -14,7 +14,7 @@ from fastapi import Request
 from sse_starlette import EventSourceResponse
 
 from api.errors import APIError
-from api.inference_service import raise_unless_completed
+from api.inference_service import client_gone, raise_unless_completed
 from contract import events
 from contract.live import output_key
 from contract.records import RecordStore
@@ -35,12 +35,19 @@ class Delta:
 Batches = AsyncIterator[list[Delta]]
 
 
-async def _read(client, record_id: str, timeout: float) -> AsyncIterator[list[dict]]:
-    """The stream's entries as they arrive, a list per read, until (and with) the end entry."""
+class ClientGone(Exception):
+    pass
+
+
+async def _read(client, record_id: str, timeout: float, request: Request) -> AsyncIterator[list[dict]]:
+    """The stream's entries as they arrive, a list per read, until (and with) the end entry. Raises ClientGone
+    if the client disconnects before the first output (after it, the event stream's own watch sees that)."""
     deadline, last = time.monotonic() + timeout, "0-0"
     while time.monotonic() < deadline:
         reply = await client.xread({output_key(record_id): last}, block=BLOCK_MS, count=1000)
         if not reply:
+            if last == "0-0" and await request.is_disconnected():
+                raise ClientGone
             continue
         entries = reply[0][1]
         last = entries[-1][0]
@@ -83,13 +90,17 @@ async def respond(request: Request, kind: str, record: dict, store: RecordStore,
     """Wait for the request's first output, then stream: `send(batches)` turns the output's text deltas into
     events. A request that fails before producing anything gets its error status, not a stream."""
     record_id = record["id"]
-    output = _read(request.app.state.aioredis, record_id, timeout)
+    output = _read(request.app.state.aioredis, record_id, timeout, request)
     try:
         first = await anext(output)
     except TimeoutError:
         events.request_cancel(store.redis, record_id)
         raise APIError(504, f"The request produced nothing within {timeout:.0f} s and was cancelled.",
                        code="timeout") from None
+    except ClientGone:
+        if cancel_on_disconnect:
+            events.request_cancel(store.redis, record_id)
+        raise client_gone() from None
     if "end" in first[0]:
         raise_unless_completed(await asyncio.to_thread(store.get, kind, record_id), store, kind)
 

@@ -3,7 +3,9 @@ events carry the same text as the non-streamed answer, usage comes last when ask
 away cancels its request."""
 
 import json
+import uuid
 
+import openai
 import pytest
 from conftest import _wait, wait_for_job
 
@@ -218,3 +220,22 @@ def test_streamed_logprobs_come_with_their_tokens(client_a, taught):
     assert len(chunks) > 1
     assert [t for c in chunks for t in c.tokens] == whole.tokens
     assert [o for c in chunks for o in c.text_offset] == whole.text_offset
+
+
+def test_disconnect_cancels_a_request_that_is_not_streamed(client_a, redis_client):
+    # The client gives up after a second; the API sees it go and cancels the request in the engine, which would
+    # otherwise write its 1000 tokens for nobody.
+    user = f"gone-{uuid.uuid4().hex[:8]}"
+    impatient = client_a.with_options(timeout=1.0, max_retries=0)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "Hi"}], n=4,
+                                          max_tokens=1000, user=user, extra_body={"ignore_eos": True})
+    store = RecordStore(redis_client)
+
+    def ended():
+        (record,) = [r for r in store.page("chat", "tenant-a", limit=20)[0] if r.get("user") == user]
+        return record["status"] not in ("queued", "in_progress") and record
+
+    record = _wait(ended, 60, "the request to end")
+    assert record["status"] == "cancelled"
+    assert all(c["completion_tokens"] < 1000 for c in record["result"]["choices"])

@@ -79,6 +79,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         return await streaming.respond(request, "chat", record, store, settings.request_timeout_seconds,
                                        chunks(body, record, store))
     record = await wait_for(record["id"], "chat", store=store, client=request.app.state.aioredis,
-                            timeout=settings.request_timeout_seconds)
+                            timeout=settings.request_timeout_seconds, request=request)
     raise_unless_completed(record, store, "chat")
     return chat_completion(record["id"], record["created_at"], record["model"], record["result"])

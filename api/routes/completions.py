@@ -64,7 +64,7 @@ async def create_completion(body: CompletionRequest, request: Request, tenant: T
         return await streaming.respond(request, "completion", record, store, settings.request_timeout_seconds,
                                        chunks(body, record, store))
     record = await wait_for(record["id"], "completion", store=store, client=request.app.state.aioredis,
-                            timeout=settings.request_timeout_seconds)
+                            timeout=settings.request_timeout_seconds, request=request)
     raise_unless_completed(record, store, "completion")
     result = echoed(body, record["result"]) if body.echo else record["result"]
     return completion(record["id"], record["created_at"], record["model"], result)

@@ -157,7 +157,7 @@ async def create_response(body: ResponseRequest, request: Request, tenant: Tenan
                                        response_events(record, store), cancel_on_disconnect=not body.background)
     if not body.background:
         record = await wait_for(record["id"], "response", store=store, client=request.app.state.aioredis,
-                                timeout=settings.request_timeout_seconds)
+                                timeout=settings.request_timeout_seconds, request=request)
         error = record.get("error") or {}
         if record["status"] == "failed" and error.get("param"):  # a request field the worker refused: a 400
             raise APIError(400, error["message"], param=error["param"], code=error.get("code"))
