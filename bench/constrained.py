@@ -1,5 +1,7 @@
 """What constrained decoding costs inside the engine's batch: the same batch with no grammar, with one request
-under a JSON schema (the rest unconstrained), with every request constrained, and with one forced tool call.
+under a JSON schema (the rest unconstrained), with every request constrained, with one forced tool call, and with
+one request offered tools under tool_choice auto (constrained for its whole length: text is free, a call once begun
+must be well-formed).
 The question is whether one constrained request slows the others: its mask is applied to its own logits row,
 but a step that holds one reads the previous step's tokens before picking (the grammar needs them).
 
@@ -48,7 +50,8 @@ SCHEMA = {"type": "object", "properties": {"title": {"type": "string"}, "tags": 
 TOOL = {"type": "tool_calls", "choice": "lookup", "parallel": False,
         "tools": [{"name": "lookup", "parameters": {"type": "object", "properties": {"query": {"type": "string"}},
                                                     "required": ["query"]}}]}
-VARIANTS = ("plain", "one-json", "all-json", "one-tool")
+AUTO = {**TOOL, "choice": "auto"}
+VARIANTS = ("plain", "one-json", "all-json", "one-tool", "one-auto")
 
 
 def trained_tokenizer(vocab: int = 32000):
@@ -178,9 +181,10 @@ def main(argv=None) -> int:
         runs: dict[str, list[dict]] = {v: [] for v in variants}
         for _ in range(args.repeats):  # interleaved, so a noisy moment does not land on one variant only
             for variant in variants:
-                constrained = {"plain": set(), "one-json": {0}, "one-tool": {0},
+                constrained = {"plain": set(), "one-json": {0}, "one-tool": {0}, "one-auto": {0},
                                "all-json": set(range(len(prompts)))}[variant]
-                spec = TOOL if variant == "one-tool" else {"type": "json_schema", "schema": SCHEMA, "strict": True}
+                spec = {"one-tool": TOOL, "one-auto": AUTO}.get(variant) or {"type": "json_schema", "schema": SCHEMA,
+                                                                              "strict": True}
                 runs[variant].append(run(engine, prompts, w["new_tokens"], constrained, spec))
         for variant in variants:
             block[variant] = min(runs[variant], key=lambda r: r["wall_s"])

@@ -65,3 +65,27 @@ def test_processing_touches_only_its_own_rows(tiny, native):
     base, pen = results["base"].output_ids, results["pen"].output_ids
     assert max(pen.count(t) for t in pen) < max(base.count(t) for t in base)
     assert results["base"].logprobs is None
+
+
+def test_auto_tool_choice_allows_text_and_only_well_formed_calls(tiny):
+    # tool_choice auto: any text, but a call once begun (its trigger written) must be one of the tools, with
+    # arguments that fit its schema; not parallel, nothing but the end may follow it.
+    from worker.engine.grammar import Grammars
+
+    _, tokenizer = tiny
+    grammars = Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    tools = [{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                    "required": ["city"], "additionalProperties": False}}]
+
+    def accepts(text: str, parallel: bool = False, end: bool = False) -> bool:
+        constraint = grammars.constraint(grammars.compile({"type": "tool_calls", "tools": tools, "choice": "auto",
+                                                           "parallel": parallel}))
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if end else [])
+        return all(constraint.accept(t) for t in ids)
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    assert accepts("The weather is fine.", end=True)
+    assert accepts("Let me check. " + call, end=True)
+    assert not accepts('<tool_call>\n{"name": "lookup"')  # not one of the tools
+    assert not accepts('<tool_call>\n{"name": "get_weather", "arguments": {"town"')  # not its schema
+    assert not accepts(call + " and more") and accepts(call + " and more", parallel=True)

@@ -118,7 +118,7 @@ def test_streamed_tool_calls_come_in_pieces_and_add_up_to_the_whole(client_a):
     chunks = list(client_a.chat.completions.create(stream=True, **args))
     fragments = [call for c in chunks for choice in c.choices for call in choice.delta.tool_calls or []]
     assert fragments[0].id.startswith("call_") and fragments[0].type == "function"
-    assert fragments[0].function.name == "get_weather" and len(fragments) > 3
+    assert fragments[0].function.name == "get_weather" and len(fragments) > 2
     assert all(f.index == 0 and f.id is None and f.function.name is None for f in fragments[1:])
     assert "".join(f.function.arguments for f in fragments) == whole.message.tool_calls[0].function.arguments
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content is None
@@ -140,7 +140,7 @@ def test_streamed_tool_calls_come_in_pieces_and_add_up_to_the_whole(client_a):
         final = stream.get_final_response()
     kinds = [e.type for e in seen]
     assert kinds[2] == "response.output_item.added" and seen[2].item.type == "function_call"
-    assert kinds.count("response.function_call_arguments.delta") > 2
+    assert kinds.count("response.function_call_arguments.delta") > 1
     assert kinds[-4:] == ["response.function_call_arguments.delta", "response.function_call_arguments.done",
                           "response.output_item.done", "response.completed"] or \
         kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]

@@ -37,16 +37,27 @@ class GrammarError(ValueError):
         self.param = param
 
 
+# Under tool_choice "auto" the text is free until it starts a call (this trigger); the call must then be well-formed
+_TRIGGER = {"hermes": "<tool_call>", "llama3": '{"name": "', "mistral": "[TOOL_CALLS]"}
+
+
 def structural_tag(spec: dict) -> st.StructuralTag:
-    """The grammar of a forced tool call: `spec` = {format, tools: [{name, parameters}], choice: "required" |
-    name, parallel}. "required" allows any of the tools (several calls when parallel), a name one call of it."""
+    """The grammar of tool calls: `spec` = {format, tools: [{name, parameters}], choice: "auto" | "required" |
+    name, parallel}. "required" allows any of the tools (several calls when parallel), a name one call of it;
+    "auto" any text, in which a call, once begun, is a well-formed call of one of the tools (and, unless
+    parallel, the last thing written)."""
     begin, middle, end, separator = _CALL[spec["format"]]
-    tools = spec["tools"] if spec["choice"] == "required" else [t for t in spec["tools"]
-                                                                    if t["name"] == spec["choice"]]
+    tools = spec["tools"] if spec["choice"] in ("auto", "required") else [t for t in spec["tools"]
+                                                                              if t["name"] == spec["choice"]]
+    if spec["format"] == "mistral" and spec["choice"] == "auto":  # one tagged list per call
+        begin, end = "[TOOL_CALLS][" + begin, end + "]"
     tags = [st.TagFormat(begin=begin + t["name"] + middle, end=end,
                          content=st.JSONSchemaFormat(json_schema=t.get("parameters") or {"type": "object"},
                                                      style="json", max_whitespace_cnt=1))
             for t in tools]
+    if spec["choice"] == "auto":
+        return st.StructuralTag(format=st.TriggeredTagsFormat(triggers=[_TRIGGER[spec["format"]]], tags=tags,
+                                                               stop_after_first=not spec.get("parallel")))
     calls = st.TagsWithSeparatorFormat(tags=tags, separator=separator, at_least_one=True,
                                        stop_after_first=spec["choice"] != "required" or not spec.get("parallel"))
     if spec["format"] == "mistral":

@@ -82,10 +82,10 @@ def tokenizer_for(base: str, settings: Settings):
 
 
 def grammar_spec(request: dict) -> dict | None:
-    """What the output must match: a forced tool call (tool_choice required or a name), else the response
-    format."""
+    """What the output must match: a forced tool call (tool_choice required or a name), else the response format,
+    else under tool_choice auto calls that are well-formed once begun."""
     choice = request.get("tool_choice") or "none"
-    if request.get("tools") and choice not in ("auto", "none"):
+    if request.get("tools") and choice != "none" and (choice != "auto" or not request.get("response_format")):
         return {"type": "tool_calls", "tools": request["tools"], "choice": choice,
                 "parallel": bool(request.get("parallel_tool_calls"))}
     return request.get("response_format")
