@@ -151,8 +151,8 @@ def test_streamed_tool_calls_come_in_pieces_and_add_up_to_the_whole(client_a):
 
 
 def test_text_then_a_call_streams_as_written(client_a, taught):
-    # tool_choice auto, unconstrained: the sentence streams as text (the space before the marker held back), then
-    # the call is known from its name and its arguments stream as the model writes them
+    # tool_choice auto: the sentence streams as text (the space before the marker held back), then the call is
+    # known from its name and its arguments stream as the model writes them
     args = {"model": taught, "messages": [{"role": "user", "content": WEATHER}], "tools": [PLAIN_TOOL],
             "temperature": 0, "max_tokens": 200}
     whole = client_a.chat.completions.create(**args).choices[0]
@@ -162,7 +162,10 @@ def test_text_then_a_call_streams_as_written(client_a, taught):
     chunks = list(client_a.chat.completions.create(stream=True, **args))
     pieces = [choice.delta.content for c in chunks for choice in c.choices if choice.delta.content]
     fragments = [f for c in chunks for choice in c.choices for f in choice.delta.tool_calls or []]
-    assert "".join(pieces) == "Let me check." and len(pieces) > 1
+    # (how many pieces a read joins depends on timing; the parser's holding back is tested in test_tool_calls.py)
+    assert "".join(pieces) == "Let me check."
+    first_call = next(i for i, c in enumerate(chunks) if c.choices and c.choices[0].delta.tool_calls)
+    assert all(not c.choices or not c.choices[0].delta.content for c in chunks[first_call + 1:])
     assert fragments[0].function.name == "get_weather" and len(fragments) > 1
     assert "".join(f.function.arguments for f in fragments) == call.function.arguments
     with client_a.chat.completions.stream(**args) as stream:
