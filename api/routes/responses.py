@@ -56,7 +56,9 @@ def response_events(record: dict, store: RecordStore):
     """The Responses API's typed events, numbered in order, from response.created to response.completed (or
     .incomplete, .failed), each terminal one carrying the whole response. The output items stream one after the
     other as the model writes them: the message's text deltas (with the logprobs of the tokens they bring), then
-    each function call's arguments deltas; each item's done event carries it as the finished response has it."""
+    each function call's arguments deltas. An item closed because a call began carries what was streamed of it;
+    the others, and the terminal event, carry the items as the finished response has them (a message before calls
+    has there the logprobs of every output token, as chat's logprobs do)."""
     numbers = itertools.count()
 
     def event(kind: str, **fields) -> ServerSentEvent:
@@ -107,6 +109,7 @@ def response_events(record: dict, store: RecordStore):
                             yield e
                     yield delta(0, streamed[0], d.text, held_logprobs)
                     streamed[0]["content"][0]["text"] += d.text
+                    streamed[0]["content"][0]["logprobs"] += held_logprobs
                     held_logprobs = []
                 for fragment in d.tool_calls:
                     if "id" in fragment:  # a new call: the item before it is complete
@@ -124,6 +127,8 @@ def response_events(record: dict, store: RecordStore):
                     else:
                         yield delta(len(streamed) - 1, streamed[-1], fragment["function"]["arguments"])
                         streamed[-1]["arguments"] += fragment["function"]["arguments"]
+        if held_logprobs and streamed and closed < len(streamed) and streamed[-1]["type"] == "message":
+            yield delta(0, streamed[0], "", held_logprobs)  # tokens that added no text (the end token, say)
         final = await asyncio.to_thread(store.get, "response", record["id"])
         response = to_openai(final)
         for index, item in enumerate(response["output"][closed:], closed):
