@@ -7,6 +7,7 @@
 #   fallback  a Phi-2-shaped model (outside the native list): the engine's fallback path against plain generate
 #   fallback-profile  the same model's fallback step timed part by part on the host (docs/results/cpu-fallback-profile.py),
 #             at the shipped prefill pieces and at 4x larger ones
+#   constrained  the cost of one grammar-constrained request (forced tool call, tool_choice auto) to the batch
 #   long-generate  plain generate's baselines on the long workload, alone on the device
 #   ttft      live chats' time to first token through the service against the engine: idle, 64 at once, during a
 #             batch; then the same with every engine step's tokens streamed (XPUJOBS_ENGINE_STREAM_INTERVAL_MS=0)
@@ -50,6 +51,9 @@ for s in "$@"; do
     fallback-profile)
       stage fallback-profile 150 python3 docs/results/cpu-fallback-profile.py 256 128 cuda phi2-0.6b
       stage fallback-profile-32k 150 python3 docs/results/cpu-fallback-profile.py 256 128 cuda phi2-0.6b 32768 ;;
+    constrained)  # one request under a grammar (a forced tool call, tool_choice auto) among 128 plain ones
+      stage constrained 150 python3 -m bench.constrained --model qwen3-0.6b --device cuda --workloads wide \
+        --variants plain,one-tool,one-auto --out "$OUT/h200-constrained.json" ;;
     long-generate)  # plain generate's baselines on the long workload, alone (the engine's cache is not there)
       stage long-generate 240 python3 -m bench.generation --model qwen3-0.6b --device cuda --workloads long \
         --generate-prompts 256 --variants long:generate-bs256,long:generate-static-bs256 \
