@@ -7,7 +7,7 @@ import pytest
 from contract.settings import Settings
 from worker.demo_model import build_demo_model
 from worker.engine.messages import ModelKey
-from worker.engine.model_cache import ModelCache
+from worker.engine.model_cache import ModelCache, reclaimable_memory
 from worker.engine.requests import RequestFailed
 
 
@@ -35,3 +35,21 @@ def test_a_base_is_loaded_in_a_bounded_number_of_ways(cache):
     cache.finished(first)  # the least recently used is idle now: it makes way, the busy one stays
     cache.get(eager)
     assert sorted(str(m.attn_implementation) for m in cache.report()) == ["eager", "sdpa"]
+
+
+def test_only_idle_models_count_as_reclaimable(cache):
+    """What the engine process reports per device for the heartbeat: an idle model's weights and KV cache (on cpu
+    the workspace is allocated per step, so not held), and nothing of a model serving requests."""
+    loaded = cache.get(ModelKey("demo-tiny"))
+    model = loaded.engine.model
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    [report] = cache.report()
+    assert report.running_requests == 0
+    assert report.held_memory == {0: weights + report.engine["kv_cache_bytes"]}
+    assert report.engine["kv_cache_bytes"] > 0 and reclaimable_memory([report]) == report.held_memory
+
+    cache.started(loaded)
+    [busy] = cache.report()
+    assert busy.running_requests == 1 and reclaimable_memory([busy]) == {}
+    cache.finished(loaded)
+    assert reclaimable_memory(cache.report()) == report.held_memory

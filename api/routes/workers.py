@@ -34,6 +34,13 @@ def _own_part(worker: dict, tenant: str, owners: dict[str, str | None]) -> dict:
 
 @router.get("")
 def list_workers(viewer: ViewerDep, store: StoreDep):
+    """The live worker nodes as their heartbeats report them. Each device has `total_memory`, `free_memory` (free
+    now, other processes' use counted) and `reclaimable_memory` (what the node's engine process would give back by
+    evicting its idle models: their weights, KV cache and, on a GPU, their engines' workspace; a model serving
+    requests counts nothing); the node's `reclaimable_memory` is their sum, and routing judges a node by free plus
+    reclaimable. On cpu these are host memory: free is the host's available memory, and reclaimable the idle
+    models' weights and KV cache. Each loaded model has `running_requests` and `held_memory` (device index ->
+    bytes evicting it gives back)."""
     workers = live_workers(store.redis)
     if viewer is not None:
         names = {j for w in workers for j in w.get("current_jobs", [])} | \

@@ -105,9 +105,13 @@ class ModelReport:
     use_kernels: bool
     adapters: list[str]
     engine: dict[str, int | float | str | None]
+    running_requests: int  # submitted and not finished: while any run, the model is never evicted
+    held_memory: dict[int, int]  # device index (0: the host on cpu) -> bytes evicting the model gives back
 
 
 @dataclass
 class Report:
     call_id: int
     models: list[ModelReport] = field(default_factory=list)
+    # device index -> bytes evicting every idle model would give back now (models serving requests count nothing)
+    reclaimable_memory: dict[int, int] = field(default_factory=dict)

@@ -10,6 +10,7 @@ retryable). An engine with requests is never closed under them. A fine-tune abou
 idle model evicted first (release_idle)."""
 
 import gc
+import itertools
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -45,6 +46,7 @@ class LoadedModel:
     engine: Engine
     max_positions: int | None
     nbytes: int
+    weight_bytes: dict[int, int]  # device index -> bytes of the weights there, adapters included
     adapters: set[str] = field(default_factory=set)
     running: int = 0  # requests submitted and not finished: a model serving them is never evicted
 
@@ -132,7 +134,8 @@ class ModelCache:
             del model
             _free_memory(self.backend)
             raise
-        return LoadedModel(engine, getattr(model.config, "max_position_embeddings", None), nbytes)
+        return LoadedModel(engine, getattr(model.config, "max_position_embeddings", None), nbytes,
+                           weight_bytes_by_device(model, self.backend))
 
     def _with_room(self, load: Callable[[], LoadedModel]) -> LoadedModel:
         """load(), evicting idle models (least recently used first) while the device has no room for it; refused
@@ -185,6 +188,7 @@ class ModelCache:
             engine.update_model(model)
             engine.warmup()  # update_model dropped the captured graphs
             loaded.adapters.add(name)
+            loaded.weight_bytes = weight_bytes_by_device(model, engine.backend)
 
     def started(self, loaded: LoadedModel) -> None:
         with self._lock:
@@ -203,11 +207,48 @@ class ModelCache:
     def report(self) -> list[ModelReport]:
         """What the registry shows of this node's loaded models and their engines."""
         with self._lock:
-            items = list(self._models.items())
+            items = [(key, m, m.running) for key, m in self._models.items()]
         return [ModelReport(key.base, key.attn_implementation, key.quantization, key.use_kernels,
                             sorted(m.adapters), {k: v for k, v in m.engine.stats.items()
-                                                 if isinstance(v, (int, float, str, type(None)))})
-                for key, m in items]
+                                                 if isinstance(v, (int, float, str, type(None)))},
+                            running, self._held_memory(m))
+                for key, m, running in items]
+
+    def _held_memory(self, loaded: LoadedModel) -> dict[int, int]:
+        """Device index -> bytes that evicting the model gives back: its weights, its engine's KV cache and, on a
+        device, the workspace the engine sized itself for (torch's allocator and the captured graphs keep it
+        between steps). On the host the workspace is allocated per step and returned after it, so it is in the
+        host's available memory already and not counted again."""
+        held = dict(loaded.weight_bytes)
+        stats = loaded.engine.stats
+        engine_bytes = stats.get("kv_cache_bytes", 0)
+        if self.backend != "cpu":
+            engine_bytes += stats.get("workspace_estimate_bytes", 0)
+        index = loaded.engine.device.index or 0
+        held[index] = held.get(index, 0) + engine_bytes
+        return held
+
+
+def reclaimable_memory(models: list[ModelReport]) -> dict[int, int]:
+    """Device index -> bytes evicting the idle models would give back now; a model serving requests is never
+    evicted, so it counts nothing."""
+    total: dict[int, int] = {}
+    for model in models:
+        if model.running_requests == 0:
+            for index, nbytes in model.held_memory.items():
+                total[index] = total.get(index, 0) + nbytes
+    return total
+
+
+def weight_bytes_by_device(model, backend: str) -> dict[int, int]:
+    """Device index (0: the host on cpu) -> bytes of the model's parameters and buffers there. On a device backend
+    whatever sits on the host (offloaded layers) is left out: evicting it frees no device memory."""
+    held: dict[int, int] = {}
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        if tensor.device.type == backend:
+            index = tensor.device.index or 0
+            held[index] = held.get(index, 0) + tensor.numel() * tensor.element_size()
+    return held
 
 
 def freeze_heap() -> None:

@@ -71,7 +71,7 @@ class EngineHost:
         self._pending: dict[str, _Pending] = {}  # request id -> its child's pipe, its result, its delta callback
         self._reports: dict[int, Future] = {}
         self._call_ids = itertools.count()
-        self._last_report: dict = {"models": []}  # the current child's latest answer
+        self._last_report: dict = {"models": [], "reclaimable_memory": {}}  # the current child's latest answer
 
     def start(self) -> None:
         with self._lock:
@@ -120,7 +120,8 @@ class EngineHost:
             self._send(pending.conn, Cancel(request_id))  # a dead child has nothing left to cancel
 
     def report(self) -> dict:
-        """What the registry shows of the loaded models and their engines (nothing while no child runs)."""
+        """What the registry shows of the loaded models and their engines, and per device index the bytes evicting
+        the idle ones would give back (nothing while no child runs)."""
         future: Future = Future()
         with self._lock:
             if self._conn is None:
@@ -176,7 +177,7 @@ class EngineHost:
         proc = context.Process(target=serve, args=(theirs, self._backend), name="xpujobs-engines", daemon=True)
         proc.start()
         theirs.close()
-        self._conn, self._proc, self._last_report = ours, proc, {"models": []}
+        self._conn, self._proc, self._last_report = ours, proc, {"models": [], "reclaimable_memory": {}}
         threading.Thread(target=self._read, args=(ours, proc), name="xpujobs-engine-results", daemon=True).start()
 
     def _read(self, conn: Connection, proc) -> None:
@@ -197,7 +198,8 @@ class EngineHost:
 
     def _answer(self, answer) -> None:
         if isinstance(answer, Report):
-            report = {"models": [dataclasses.asdict(m) for m in answer.models]}
+            report = {"models": [dataclasses.asdict(m) for m in answer.models],
+                      "reclaimable_memory": answer.reclaimable_memory}
             with self._lock:
                 self._last_report = report
                 future = self._reports.get(answer.call_id)
@@ -233,7 +235,7 @@ class EngineHost:
 def serve(conn: Connection, backend: str) -> None:
     """The child: loads models, runs their engines, and answers the worker through `conn` until it closes."""
     from contract.settings import Settings
-    from worker.engine.model_cache import ModelCache, freeze_heap, submit
+    from worker.engine.model_cache import ModelCache, freeze_heap, reclaimable_memory, submit
 
     cache = ModelCache(Settings(), backend)
     lock = threading.Lock()  # the two maps below
@@ -313,7 +315,8 @@ def serve(conn: Connection, backend: str) -> None:
             if engine is not None:
                 engine.cancel(message.request_id)
         elif isinstance(message, ReportRequest):
-            send(Report(message.call_id, cache.report()))
+            models = cache.report()
+            send(Report(message.call_id, models, reclaimable_memory(models)))
         elif isinstance(message, ReleaseIdle):
             send(Released(message.call_id, cache.release_idle()))
         elif isinstance(message, Close):

@@ -39,13 +39,18 @@ class Node:
         with self._lock:
             jobs = sorted(self.current_jobs)
         free = devices.free_memory(self.backend)
+        reported = {k: v for report in self.reporters for k, v in report().items()}
+        # device index -> bytes the engine process would give back by evicting its idle models (none before it runs)
+        reclaimable = reported.pop("reclaimable_memory", {})
+        described = [{**d, "free_memory": f, "reclaimable_memory": reclaimable.get(d["index"], 0)}
+                     for d, f in zip(self.devices, free)]
         return {
-            "node": self.name, "backend": self.backend, "device_ids": self.mask,
-            "devices": [{**d, "free_memory": f} for d, f in zip(self.devices, free)],
+            "node": self.name, "backend": self.backend, "device_ids": self.mask, "devices": described,
+            "reclaimable_memory": sum(d["reclaimable_memory"] for d in described),  # what routing adds to free
             "bf16": all(d["bf16"] for d in self.devices),
             "current_jobs": jobs, "current_job": jobs[0] if jobs else None, "pid": os.getpid(),
             "started_at": self.started_at, "metrics_port": self.metrics_port, "instance": self.instance,
-        } | {k: v for report in self.reporters for k, v in report().items()}
+        } | reported
 
     def reserve(self, kind: str, record_id: str) -> None:
         """A task of this record reached this node (to run now, after others, or at its countdown): if the node dies
