@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from worker.engine.engine import Engine
-from worker.engine.requests import GenerationRequest, SamplingParams
+from worker.engine.requests import GenerationRequest, Priority, SamplingParams
 from worker.engine.sampling import _mix32, _mix32_py, _mul32, sample_tokens
 
 transformers = pytest.importorskip("transformers")
@@ -144,6 +144,106 @@ def test_sampled_tokens_survive_preemption(model, tokenizer):
         assert eng.stats["preemptions"] >= 1
     assert [r.output_ids for r in tight] == [r.output_ids for r in roomy]
     assert all(len(set(r.output_ids)) > 3 for r in roomy)  # really sampled, not one likely token
+
+
+def submit_when(eng: Engine, ready, requests: list[GenerationRequest], on_delta) -> tuple[list, list[str]]:
+    """Submit `requests` between two engine steps once ready() holds there (the engine's step lock held, so the
+    state read is the one the next step starts from); returns their futures and the ids waiting at that moment."""
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        with eng.model_lock:
+            if ready():
+                waiting = [s.req.request_id for s in eng._waiting]
+                return [eng.submit(r, on_delta) for r in requests], waiting
+        time.sleep(0.002)
+    raise AssertionError("the engine never reached the state asked for")
+
+
+def unpreempted(model, tokenizer, requests: list[GenerationRequest]) -> dict[str, list[int]]:
+    """Each request's output ids from an engine with room for all of them at once (nothing preempted)."""
+    with Engine(model, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=len(requests),
+                max_seq_len=128) as eng:
+        results = eng.generate([GenerationRequest(r.request_id, r.prompt_ids, r.params) for r in requests])
+        assert eng.stats["preemptions"] == 0
+    return {r.request_id: r.output_ids for r in results}
+
+
+def first_token_steps(eng: Engine):
+    """An on_delta that records the decode step count at each request's first delta, and the record."""
+    firsts: dict[str, int] = {}
+    return (lambda d: firsts.setdefault(d.request_id, eng.stats["decode_steps"])), firsts
+
+
+def test_live_request_goes_before_waiting_batch_and_preempts_running_batch(model, tokenizer):
+    """A pool full of batch sequences and more batch requests waiting: a live request submitted then is admitted
+    before every waiting one (its first token comes no later than theirs), running batch sequences are preempted
+    to make room for it, and every request, preempted or not, gets the greedy tokens it gets when nothing is
+    preempted."""
+    batch = [GenerationRequest(str(i), p, SamplingParams(max_new_tokens=40, temperature=0.0), stream=True,
+                               priority=Priority.BATCH) for i, p in enumerate(prompts(8, seed=21, lo=20, hi=40))]
+    live = GenerationRequest("live", prompts(1, seed=22, lo=60, hi=61)[0],  # 4 blocks, and the watermark's 1
+                             SamplingParams(max_new_tokens=NEW, temperature=0.0), stream=True)
+    refs = unpreempted(model, tokenizer, batch + [live])
+    kw = dict(max_batch_size=8, max_seq_len=128)
+    with Engine(model, tokenizer, device="cpu", memory_budget_bytes=small_cache_budget(model, tokenizer, 12, **kw),
+                **kw) as eng:
+        on_delta, firsts = first_token_steps(eng)
+        with eng.model_lock:  # the first step sees them all
+            futures = [eng.submit(r, on_delta) for r in batch]
+        more, waiting = submit_when(
+            eng, lambda: eng.stats["running"] and eng.stats["waiting"] and eng.stats["kv_blocks_free"] < 5, [live],
+            on_delta)
+        results = [f.result(timeout=120) for f in futures + more]
+        assert eng.stats["preemptions_for_live"] >= 1
+    assert waiting
+    assert all(firsts["live"] <= firsts[rid] for rid in waiting), (firsts, waiting)
+    for r in results:
+        assert r.error is None and r.output_ids == refs[r.request_id], (r.request_id, r.output_ids)
+
+
+def test_live_request_never_preempts_another_live_one(model, tokenizer):
+    """Live requests fill the pool: a further live request waits for room rather than preempting one of them, and
+    batch requests sent just before it still wait behind it."""
+    live = [GenerationRequest(f"live{i}", p, SamplingParams(max_new_tokens=40, temperature=0.0), stream=True)
+            for i, p in enumerate(prompts(3, seed=23, lo=40, hi=41))]  # 3 blocks each, growing to 5
+    batch = [GenerationRequest(f"b{i}", p, SamplingParams(max_new_tokens=4, temperature=0.0), stream=True,
+                               priority=Priority.BATCH) for i, p in enumerate(prompts(4, seed=25, lo=5, hi=10))]
+    late = GenerationRequest("late", prompts(1, seed=24, lo=60, hi=61)[0],  # 4 blocks, and the watermark's 1
+                             SamplingParams(max_new_tokens=NEW, temperature=0.0), stream=True)
+    refs = unpreempted(model, tokenizer, live + batch + [late])
+    kw = dict(max_batch_size=8, max_seq_len=128)
+    with Engine(model, tokenizer, device="cpu", memory_budget_bytes=small_cache_budget(model, tokenizer, 12, **kw),
+                **kw) as eng:
+        on_delta, firsts = first_token_steps(eng)
+        with eng.model_lock:  # admitted together in the first step: 9 of 12 blocks
+            futures = [eng.submit(r, on_delta) for r in live]
+        futures += submit_when(eng, lambda: eng.stats["running"] == 3 and eng.stats["kv_blocks_free"] < 5,
+                               batch + [late], on_delta)[0]
+        results = [f.result(timeout=120) for f in futures]
+        assert eng.stats["preemptions_for_live"] == 0
+    assert all(firsts["late"] <= firsts[r.request_id] for r in batch), firsts
+    for r in results:
+        assert r.error is None and r.output_ids == refs[r.request_id], (r.request_id, r.output_ids)
+
+
+def test_fallback_path_admits_live_requests_before_waiting_batch(model, tokenizer):
+    """The model's own forward (no preemption there): when a row frees, a live request waiting takes it before the
+    batch requests that were waiting before it came."""
+    batch = [GenerationRequest(str(i), p, SamplingParams(max_new_tokens=20, temperature=0.0), stream=True,
+                               priority=Priority.BATCH) for i, p in enumerate(prompts(6, seed=26))]
+    live = GenerationRequest("live", prompts(1, seed=27)[0], SamplingParams(max_new_tokens=NEW, temperature=0.0),
+                             stream=True)
+    refs = unpreempted(model, tokenizer, batch + [live])
+    with Engine(model, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=2, native=False,
+                max_seq_len=128) as eng:
+        on_delta, firsts = first_token_steps(eng)
+        with eng.model_lock:
+            futures = [eng.submit(r, on_delta) for r in batch]
+        more, waiting = submit_when(eng, lambda: eng.fallback.has_work() and len(eng._waiting) == 4, [live], on_delta)
+        results = [f.result(timeout=120) for f in futures + more]
+    assert all(firsts["live"] <= firsts[rid] for rid in waiting), (firsts, waiting)
+    for r in results:
+        assert r.error is None and r.output_ids == refs[r.request_id], (r.request_id, r.output_ids)
 
 
 def test_long_prompt_prefills_in_chunks_while_others_decode(model, tokenizer):

@@ -1,5 +1,5 @@
 """The paged KV cache's block manager and the scheduler's decisions (pure logic, no model): allocation, freeing,
-preemption and resumption, chunked prefill under a token budget."""
+preemption and resumption, chunked prefill under a token budget, live requests before batch ones."""
 
 import concurrent.futures
 from collections import deque
@@ -7,13 +7,13 @@ from collections import deque
 import pytest
 
 from worker.engine.kv_cache import BlockManager
-from worker.engine.requests import GenerationRequest, SamplingParams
-from worker.engine.scheduler import Scheduler, Sequence
+from worker.engine.requests import GenerationRequest, Priority, SamplingParams
+from worker.engine.scheduler import Scheduler, Sequence, WaitingQueue
 
 
-def seq(n_prompt: int, name: str = "r") -> Sequence:
-    s = Sequence(GenerationRequest(name, list(range(n_prompt)), SamplingParams(max_new_tokens=100)),
-                 concurrent.futures.Future())
+def seq(n_prompt: int, name: str = "r", priority: Priority = Priority.LIVE) -> Sequence:
+    s = Sequence(GenerationRequest(name, list(range(n_prompt)), SamplingParams(max_new_tokens=100),
+                                   priority=priority), concurrent.futures.Future())
     s.target = n_prompt
     return s
 
@@ -127,3 +127,68 @@ def test_registered_prefix_blocks_are_shared_and_kept_until_needed():
     assert bm.match(None, prompt) == first_two
     bm.ensure(c, 24)  # the pool needs them now: forgotten
     assert bm.match(None, prompt) == [] and bm.num_free == 0
+
+
+def running(bm: BlockManager, seqs: list[Sequence]) -> None:
+    """seqs admitted in this order, their prompts in the cache."""
+    for order, s in enumerate(seqs):
+        s.order = order
+        s.cache_len = s.target
+        assert bm.ensure(s, s.target) is not None
+
+
+def ids(seqs) -> list[str]:
+    return [s.req.request_id for s in seqs]
+
+
+def test_waiting_live_requests_leave_before_batch_ones_in_arrival_order():
+    queue = WaitingQueue()
+    for name, priority in [("b1", Priority.BATCH), ("l1", Priority.LIVE), ("b2", Priority.BATCH),
+                           ("l2", Priority.LIVE)]:
+        queue.append(seq(4, name, priority))
+    assert ids(queue) == ["l1", "l2", "b1", "b2"] and len(queue) == 4
+    first, second, third = queue.popleft(), queue.popleft(), queue.popleft()
+    assert ids([first, second, third]) == ["l1", "l2", "b1"]
+    queue.push_front([first, third])  # back ahead of the others of their own priority
+    assert ids(queue) == ["l1", "b1", "b2"] and ids(queue.first(Priority.LIVE, 5)) == ["l1"]
+    assert ids(queue.remove({"b1", "l1"})) == ["l1", "b1"] and ids(queue) == ["b2"]
+    assert ids(queue.clear()) == ["b2"] and queue.popleft() is None and not queue
+
+
+def test_live_request_preempts_the_youngest_batch_sequences_never_live_ones():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    sched = Scheduler(bm, token_budget=64, max_prompts=8, packed=True)
+    live_old, batch_old, batch_young, live_young = (seq(8, "live-old"), seq(8, "batch-old", Priority.BATCH),
+                                                    seq(8, "batch-young", Priority.BATCH), seq(8, "live-young"))
+    holders = [live_old, batch_old, batch_young, live_young]
+    running(bm, holders)  # 8 of 10 blocks
+    # 12 tokens: 3 blocks and the watermark's 1; batch-young's 2 give 4 free
+    assert sched.make_room([seq(12, "new")], holders, free_rows=4) == [batch_young]
+    assert not bm.holds(batch_young) and bm.num_free == 4
+    # rows full, blocks enough: one batch row goes (the youngest left)
+    assert sched.make_room([seq(4, "new")], [live_old, batch_old, live_young], free_rows=0) == [batch_old]
+    # what only live holders could make room for is not made: the request waits
+    running(bm, [live_old, live_young])
+    assert sched.make_room([seq(30, "big")], [live_old, live_young], free_rows=4) == []
+    assert bm.holds(live_old) and bm.holds(live_young)
+
+
+def test_room_is_made_for_the_live_requests_one_prefill_step_admits():
+    bm = BlockManager(num_blocks=12, block_size=4)
+    sched = Scheduler(bm, token_budget=20, max_prompts=8, packed=True)
+    batch = [seq(8, f"b{i}", Priority.BATCH) for i in range(6)]
+    running(bm, batch)  # every block
+    # 8 + 8 tokens fit the step's budget of 20, the third does not: 4 blocks and the watermark's 1 (3 victims)
+    victims = sched.make_room([seq(8, "l1"), seq(8, "l2"), seq(8, "l3")], batch, free_rows=8)
+    assert ids(victims) == ["b5", "b4", "b3"] and bm.num_free == 6
+
+
+def test_running_out_of_blocks_preempts_batch_before_live():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    sched = Scheduler(bm, token_budget=64, max_prompts=8, packed=True)
+    live_old, batch, live_young = seq(3, "live-old"), seq(3, "batch", Priority.BATCH), seq(4, "live-young")
+    running(bm, [live_old, batch, live_young])
+    bm.ensure(object(), 4)  # the last block held elsewhere
+    # live-young, the youngest, needs a block for position 4: the older batch sequence gives its own
+    assert sched.reserve_decode([live_old, batch, live_young], [live_old, batch, live_young]) == [batch]
+    assert len(bm.table(live_young)) == 2 and bm.holds(live_old)

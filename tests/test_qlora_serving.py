@@ -80,6 +80,7 @@ def test_qlora_serve_on_unquantized_serves_natively_beside_the_base(qlora_job, s
     """The worker's side with the setting: prepare() picks the plain base for the QLoRA model, and the engine
     process's model cache serves it on the native path, on the same engine as a request for the base itself."""
     from worker.engine.model_cache import ModelCache, submit
+    from worker.engine.requests import Priority
     from worker.node.node import Node
     from worker.serving.inference import prepare
 
@@ -89,8 +90,8 @@ def test_qlora_serve_on_unquantized_serves_natively_beside_the_base(qlora_job, s
     assert node.settings.redis_url == redis_url
     prompt = chat_prompt(stack_env)
     params = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
-    submissions = [prepare(node, "qlora", "tenant-a", {"model": qlora_job.fine_tuned_model, **params}),
-                   prepare(node, "base", "tenant-a", {"model": "demo-tiny", **params})]
+    submissions = [prepare(node, "qlora", "tenant-a", {"model": qlora_job.fine_tuned_model, **params}, Priority.LIVE),
+                   prepare(node, "base", "tenant-a", {"model": "demo-tiny", **params}, Priority.LIVE)]
     assert submissions[0].model == submissions[1].model  # one loaded base, one engine, the adapter chosen per row
     cache = ModelCache(node.settings, node.backend)
     try:

@@ -21,13 +21,14 @@ Parts (worker/engine/):
 Native path: the KV cache is paged (kv_cache.py): fixed-size blocks, and a block table per sequence, so a request
 holds the cache it has used, not max_seq_len. The scheduler (scheduler.py) admits requests by free blocks, takes a
 token budget of prefill per step (long prompts in chunks between decode steps), and preempts the most recent
-requests when blocks run out mid-decode (they are recomputed later). Prefill, with the Triton kernels and where the
-device has torch's flash kernel: whole prompts packed end to end (no padding between them), staged into static
-buffers and replayed as a device graph captured per row count; else eagerly, right-padded. Each decode step for a
-batch bucket is captured once as a CUDA/XPU graph (block tables are static buffers) and then replayed. The host
-consumes step k's tokens while the device runs step k+1 (a one-step lag), so the device is kept busy. If the Triton
-kernels or graph capture fail on a machine, the engine logs it and falls back (stats["kernels_error"],
-stats["graphs_error"]).
+requests when blocks run out mid-decode (they are recomputed later). Live requests (requests.Priority) are admitted
+before waiting batch ones, and running batch sequences are preempted to make room for them. Prefill, with the Triton
+kernels and where the device has torch's flash kernel: whole prompts packed end to end (no padding between them),
+staged into static buffers and replayed as a device graph captured per row count; else eagerly, right-padded. Each
+decode step for a batch bucket is captured once as a CUDA/XPU graph (block tables are static buffers) and then
+replayed. The host consumes step k's tokens while the device runs step k+1 (a one-step lag), so the device is kept
+busy. If the Triton kernels or graph capture fail on a machine, the engine logs it and falls back
+(stats["kernels_error"], stats["graphs_error"]).
 
 Prefix sharing (kv_cache.py): full blocks of a computed prompt are registered by their tokens (and adapter); a later
 request starting with the same blocks takes them instead of computing them again (stats["prefix_shared_tokens"]).
@@ -73,7 +74,6 @@ import logging
 import math
 import threading
 import time
-from collections import deque
 from typing import Any, Callable
 
 import torch
@@ -91,9 +91,16 @@ from worker.engine.model_runner import (
     native_unsupported_reason,
     packed_attention,
 )
-from worker.engine.requests import EngineClosed, EngineMemoryError, GenerationDelta, GenerationRequest, GenerationResult
+from worker.engine.requests import (
+    EngineClosed,
+    EngineMemoryError,
+    GenerationDelta,
+    GenerationRequest,
+    GenerationResult,
+    Priority,
+)
 from worker.engine.sampling import SAMPLE_CHUNK, pick
-from worker.engine.scheduler import PrefillPlan, Scheduler, Sequence
+from worker.engine.scheduler import PrefillPlan, Scheduler, Sequence, WaitingQueue
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +157,7 @@ class Engine(NativeRunner):
 
         self.model_lock = threading.RLock()
         self._cv = threading.Condition()
-        self._waiting: deque[Sequence] = deque()
+        self._waiting = WaitingQueue()
         self._cancel_ids: set[str] = set()
         self._closed = False
         self._by_id: dict[str, list[Sequence]] = {}
@@ -166,6 +173,7 @@ class Engine(NativeRunner):
             "prefill_tokens": 0, "prefill_padded_tokens": 0, "prefill_seconds": 0.0, "graphs_captured": 0,
             "graph_capture_seconds": 0.0, "max_running": 0, "completed": 0, "errors": 0, "busy_seconds": 0.0,
             "peak_memory_bytes": 0, "peak_reserved_bytes": 0, "migrations": 0, "preemptions": 0,
+            "preemptions_for_live": 0,
             "prefill_chunks": 0, "prefix_shared_tokens": 0,
         }
         self._admissions = itertools.count()
@@ -535,8 +543,7 @@ class Engine(NativeRunner):
         with self.model_lock:
             self._fail_running("engine closed")
             with self._cv:
-                waiting = list(self._waiting)
-                self._waiting.clear()
+                waiting = self._waiting.clear()
             for seq in waiting:
                 self.finish(seq, "error", "engine closed")
 
@@ -690,20 +697,20 @@ class Engine(NativeRunner):
             ids, self._cancel_ids = self._cancel_ids, set()
             if not ids:
                 return ids
-            cancelled = [s for s in self._waiting if s.req.request_id in ids]
-            self._waiting = deque(s for s in self._waiting if s.req.request_id not in ids)
+            cancelled = self._waiting.remove(ids)
         for seq in cancelled:
             self.finish(seq, "cancelled")
         return ids
 
     def pop_waiting(self, max_n: int) -> list[Sequence]:
-        """Up to max_n valid waiting requests (invalid ones are finished with an error on the way)."""
+        """Up to max_n valid waiting requests, live ones first (invalid ones are finished with an error on the
+        way)."""
         got: list[Sequence] = []
         while len(got) < max_n:
             with self._cv:
-                if not self._waiting:
-                    break
                 seq = self._waiting.popleft()
+            if seq is None:
+                break
             if seq.finished:  # preempted, then finished by the token it had in flight
                 continue
             err = self._validate(seq)
@@ -714,8 +721,9 @@ class Engine(NativeRunner):
         return got
 
     def push_back(self, seqs: list[Sequence]) -> None:
+        """Requests taken from the queue and not run (or preempted) go back ahead of the others of their priority."""
         with self._cv:
-            self._waiting.extendleft(reversed(seqs))
+            self._waiting.push_front(seqs)
 
     def _fail_running(self, error: str) -> None:
         if self.path == "native":
@@ -732,14 +740,17 @@ class Engine(NativeRunner):
     # ------------------------------------------------------------------------------ native scheduling
 
     def _iterate_native(self) -> None:
-        """One step: blocks for the decoding sequences (preempting if the pool ran dry), their decode step
-        launched, the previous step's tokens consumed, cancels, then this step's prefill."""
+        """One step: blocks for the decoding sequences (preempting if the pool ran dry), room for waiting live
+        requests (preempting batch sequences), the decode step launched, the previous step's tokens consumed,
+        cancels, then this step's prefill. Preemption comes before the launch, so a victim decodes nothing this step
+        and the token it has in flight from the step before is accepted before it can be taken again."""
         run = [s for s in self._slots if s is not None and not s.prefilling and s.n_launched < s.limit]
         if run:
             holders = [s for s in self._slots if s is not None]
             for victim in self.scheduler.reserve_decode(run, holders):
                 self._preempt(victim)
-            run = [s for s in run if s.slot >= 0]
+        self._make_room_for_live()
+        run = [s for s in run if s.slot >= 0]
         new: list[HostTokens] = []
         if run:
             run = self._compact(run)
@@ -754,6 +765,18 @@ class Engine(NativeRunner):
                     self.finish(seq, "cancelled")
         self._prefill_step()
         self._block_stats()
+
+    def _make_room_for_live(self) -> None:
+        """Preempt running batch sequences for the live requests waiting (scheduler.make_room). Not while a prompt
+        is prefilled in chunks: the next prefill steps continue that one, and the live requests come after it."""
+        with self._cv:
+            live = [s for s in self._waiting.first(Priority.LIVE, self.scheduler.max_prompts) if not s.finished]
+        if not live or any(s is not None and s.prefilling for s in self._slots):
+            return
+        holders = [s for s in self._slots if s is not None]
+        for victim in self.scheduler.make_room(live, holders, len(self._free)):
+            self._preempt(victim)
+            self.stats["preemptions_for_live"] += 1
 
     def _release(self, seq: Sequence) -> None:
         """Give back seq's decode row and cache blocks (its row's block table points at the scratch block again,

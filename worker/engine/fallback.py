@@ -255,7 +255,7 @@ class FallbackPath:
         reach = max((s.limit - s.n_launched for b in self._batches for s in b.seqs if not s.finished), default=0)
         chunk: list[Sequence] = []
         settled = set()
-        for s in sorted(cands, key=lambda s: s.prompt_len):
+        for s in sorted(cands, key=lambda s: (s.req.priority, s.prompt_len)):  # live requests first
             if s.prompt_len + s.limit > budget:
                 eng.finish(s, "error", f"the prompt plus max_new_tokens needs "
                                        f"{(s.prompt_len + s.limit) * eng.kv_bytes_per_token} bytes of KV cache, "
@@ -271,6 +271,7 @@ class FallbackPath:
         eng.push_back([s for s in cands if id(s) not in settled and not s.finished])
         if not chunk:
             return
+        chunk.sort(key=lambda s: s.prompt_len)  # for the pieces below
         t0 = time.perf_counter()
         fresh: list[_Batch] = []
         i = 0

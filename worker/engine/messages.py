@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from worker.engine.requests import GenerationDelta, GenerationResult, SamplingParams
+from worker.engine.requests import GenerationDelta, GenerationResult, Priority, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class Submission:
     prompt_ids: list[int]
     params: SamplingParams
     stream: bool = False  # answer with Delta messages as tokens are produced
+    priority: Priority = Priority.LIVE  # batch lines say Priority.BATCH
 
 
 # ------------------------------------------------------------------------------------- worker -> engine process

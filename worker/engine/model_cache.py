@@ -283,7 +283,8 @@ def submit(cache: ModelCache, submission: Submission,
         raise RequestFailed("invalid_prompt", f"The prompt ({len(ids)} tokens) must be shorter than the "
                                               f"{loaded.engine.max_seq_len} tokens this worker holds per request.")
     request = GenerationRequest(submission.request_id, ids, params,
-                                submission.adapter.name if submission.adapter else None, stream=submission.stream)
+                                submission.adapter.name if submission.adapter else None, stream=submission.stream,
+                                priority=submission.priority)
     def hand_over(engine: Engine) -> Future:
         if params.grammar is not None:  # compiled here, on the request's thread, never on the engine's
             from worker.engine.grammar import GrammarError

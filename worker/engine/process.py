@@ -38,7 +38,7 @@ from worker.engine.messages import (
     ReportRequest,
     Submission,
 )
-from worker.engine.requests import EngineProcessExited, GenerationDelta, GenerationResult, RequestFailed
+from worker.engine.requests import EngineProcessExited, GenerationDelta, GenerationResult, Priority, RequestFailed
 
 # The heartbeat waits this long for the child's report, then publishes the last one it had: the heartbeat also
 # keeps the node in the registry, and a child still starting (importing torch) answers only seconds later.
@@ -46,7 +46,8 @@ REPORT_TIMEOUT_SECONDS = 0.5
 # How long a fine-tune waits for the engine process to evict its idle models before starting anyway.
 RELEASE_TIMEOUT_SECONDS = 30.0
 # Requests being prepared at once in the child (model load, adapter load) before they reach an engine; a load
-# blocks only the requests that need that model.
+# blocks only the requests that need that model. Live and batch requests have a pool each, so a live request never
+# queues behind the lines of a batch (their adapter loads, their grammars compiled).
 PREPARE_THREADS = 8
 
 
@@ -241,7 +242,8 @@ def serve(conn: Connection, backend: str) -> None:
     lock = threading.Lock()  # the two maps below
     engines = {}  # request id -> the engine running it
     preparing: dict[str, bool] = {}  # request id -> whether a cancel came before it reached its engine
-    prepare = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="xpujobs-prepare")
+    prepare = {priority: ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix=f"xpujobs-prepare-{priority.name}")
+               for priority in Priority}
     # Answers go out from one thread, as many per message as are ready: the engine's thread, which finishes
     # requests, never waits on the pipe, and the worker unpickles fewer messages.
     outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -306,7 +308,8 @@ def serve(conn: Connection, backend: str) -> None:
             with lock:
                 for submission in message.submissions:
                     preparing[submission.request_id] = False
-            prepare.submit(start_all, message.submissions)
+            for priority in {submission.priority for submission in message.submissions}:
+                prepare[priority].submit(start_all, [s for s in message.submissions if s.priority == priority])
         elif isinstance(message, Cancel):
             with lock:
                 engine = engines.get(message.request_id)

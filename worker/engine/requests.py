@@ -3,7 +3,16 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class Priority(enum.IntEnum):
+    """Who waits for a request: a live one (a chat, completion or response) has a client waiting on it, a batch line
+    has a completion window. The engine admits live requests before waiting batch ones and takes rows and cache
+    blocks from running batch sequences to make room for them; lower values come first."""
+    LIVE = 0
+    BATCH = 1
 
 
 @dataclass
@@ -35,6 +44,7 @@ class GenerationRequest:
     # params.grammar compiled for this engine's tokenizer (Engine.grammars().compile), done before submitting so
     # the engine's thread never compiles
     grammar: object = None
+    priority: Priority = Priority.LIVE
 
 
 @dataclass

@@ -8,6 +8,11 @@ fills. When the pool runs dry mid-decode, the most recently admitted sequences a
 back, they return to the front of the queue with the tokens they have, and are recomputed (prefilled again,
 prompt and output so far) when blocks free up. A request's longest possible length (max_seq_len) never exceeds
 the pool, so the oldest request always makes progress.
+
+Priority (requests.Priority): live requests wait in a queue of their own and are admitted before any waiting batch
+request (arrival order within each). When the rows or blocks a waiting live request needs are taken, running batch
+sequences are preempted for it, youngest first, as above; a live one never is. Running out of blocks mid-decode,
+batch sequences go before live ones too, so a batch sequence never takes a live one's blocks.
 """
 
 from __future__ import annotations
@@ -15,11 +20,13 @@ from __future__ import annotations
 import concurrent.futures
 import random
 import time
+from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from worker.engine.kv_cache import BlockManager
-from worker.engine.requests import GenerationDelta, GenerationRequest
+from worker.engine.requests import GenerationDelta, GenerationRequest, Priority
 
 if TYPE_CHECKING:
     from worker.engine.logits import RequestLogits
@@ -68,6 +75,60 @@ class Sequence:
         return self.slot >= 0 and self.cache_len < self.target
 
 
+def preemption_rank(seq: Sequence) -> tuple[int, int]:
+    """Sorted by this, the last goes first when something must be preempted: batch before live, then the youngest."""
+    return seq.req.priority, seq.order
+
+
+class WaitingQueue:
+    """Requests waiting for a decode row: one queue per priority, in arrival order; the live queue is served first.
+    A sequence put back (preempted, or not admitted this step) goes to the front of its own queue."""
+
+    def __init__(self):
+        self._queues = {p: deque() for p in sorted(Priority)}
+
+    def append(self, seq: Sequence) -> None:
+        self._queues[seq.req.priority].append(seq)
+
+    def push_front(self, seqs: list[Sequence]) -> None:
+        """seqs, in their order, ahead of the others of their priority."""
+        for seq in reversed(seqs):
+            self._queues[seq.req.priority].appendleft(seq)
+
+    def popleft(self) -> Sequence | None:
+        for queue in self._queues.values():
+            if queue:
+                return queue.popleft()
+        return None
+
+    def first(self, priority: Priority, n: int) -> list[Sequence]:
+        """The first n waiting requests of one priority (not removed)."""
+        queue = self._queues[priority]
+        return [queue[i] for i in range(min(n, len(queue)))]
+
+    def remove(self, request_ids: Iterable[str]) -> list[Sequence]:
+        """Take out the requests with these ids; returns them."""
+        ids = set(request_ids)
+        removed = []
+        for p, queue in self._queues.items():
+            removed += [s for s in queue if s.req.request_id in ids]
+            self._queues[p] = deque(s for s in queue if s.req.request_id not in ids)
+        return removed
+
+    def clear(self) -> list[Sequence]:
+        everything = list(self)
+        for queue in self._queues.values():
+            queue.clear()
+        return everything
+
+    def __len__(self) -> int:
+        return sum(map(len, self._queues.values()))
+
+    def __iter__(self) -> Iterator[Sequence]:
+        for queue in self._queues.values():
+            yield from queue
+
+
 @dataclass
 class PrefillPlan:
     whole: list[Sequence] = field(default_factory=list)  # admitted now, prefilled whole in one call
@@ -87,13 +148,14 @@ class Scheduler:
         self.watermark = max(1, blocks.num_blocks // 100)
 
     def reserve_decode(self, run: list[Sequence], holders: list[Sequence]) -> list[Sequence]:
-        """A block for every decoding sequence's next position, oldest first. When the pool runs dry, holders
-        (every sequence that holds blocks) are preempted youngest first until the rest fit; returns them, their
-        blocks already released. A preempted sequence in `run` must not decode this step."""
+        """A block for every decoding sequence's next position, live ones first, then the oldest first. When the pool
+        runs dry, holders (every sequence that holds blocks) are preempted batch first, youngest first, until the
+        rest fit; returns them, their blocks already released. A preempted sequence in `run` must not decode this
+        step."""
         victims: list[Sequence] = []
         gone: set[int] = set()
-        queue = sorted(holders, key=lambda s: s.order)
-        for seq in sorted(run, key=lambda s: s.order):
+        queue = sorted(holders, key=preemption_rank)
+        for seq in sorted(run, key=preemption_rank):
             if id(seq) in gone:
                 continue
             while self.blocks.ensure(seq, seq.cache_len + 1) is None:
@@ -103,6 +165,30 @@ class Scheduler:
                 self.blocks.release(victim)
                 if victim is seq:
                     break
+        return victims
+
+    def make_room(self, live: list[Sequence], holders: list[Sequence], free_rows: int) -> list[Sequence]:
+        """Rows and blocks for the waiting live requests `live` (arrival order) that one prefill step could admit:
+        running batch sequences among `holders` are preempted, youngest first, until they fit or none is left (live
+        holders are never touched). Returns the victims, their blocks already released. Blocks a live request
+        might share with a registered prefix are not counted off, so this may free a few blocks more than needed."""
+        rows = blocks = tokens = longest = 0
+        for seq in live[:self.max_prompts]:
+            n = seq.prompt_len + len(seq.out)
+            cost = tokens + n if self.packed else (rows + 1) * max(longest, n)
+            if rows and cost > self.token_budget:
+                break
+            rows += 1
+            blocks += self.blocks.blocks_for(min(n, self.token_budget))  # a long prompt starts with one chunk
+            tokens += n
+            longest = max(longest, n)
+        victims: list[Sequence] = []
+        queue = sorted((s for s in holders if s.req.priority != Priority.LIVE), key=lambda s: s.order)
+        while queue and (free_rows + len(victims) < rows or blocks > self.blocks.num_free - (
+                self.watermark if self.blocks.num_used else 0)):
+            victim = queue.pop()
+            self.blocks.release(victim)
+            victims.append(victim)
         return victims
 
     def plan_prefill(self, partial: Sequence | None, take: Callable[[], Sequence | None],

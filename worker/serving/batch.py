@@ -18,7 +18,7 @@ from contract.inference_outputs import BUILDERS, response
 from contract.inference_requests import BODY_SCHEMAS
 from contract.records import new_id, now
 from worker.engine.messages import Submission
-from worker.engine.requests import EngineProcessExited, RequestFailed
+from worker.engine.requests import EngineProcessExited, Priority, RequestFailed
 from worker.node import metrics
 from worker.node.node import Node
 from worker.serving.inference import cancel_watch_for, host_for, outcome, prepare, tokenizer_for
@@ -109,7 +109,8 @@ def run_chunk(node: Node, chunk_id: str) -> None:
         try:
             request = BODY_SCHEMAS[endpoint].model_validate(body).normal()
             prepared.append((position, _Running(custom_id, number, request,
-                                                prepare(node, new_id("batch_request"), tenant, request))))
+                                                prepare(node, new_id("batch_request"), tenant, request,
+                                                        Priority.BATCH))))
         except ValidationError as exc:
             first = exc.errors()[0]
             fail(position, custom_id, "invalid_request",

@@ -19,7 +19,7 @@ from contract.records import now
 from contract.settings import Settings
 from worker.engine.messages import AdapterRef, ModelKey, Submission
 from worker.engine.process import EngineHost
-from worker.engine.requests import GenerationDelta, GenerationResult, RequestFailed, SamplingParams
+from worker.engine.requests import GenerationDelta, GenerationResult, Priority, RequestFailed, SamplingParams
 from worker.models import ModelLoadError, load_tokenizer
 from worker.node import metrics
 from worker.node.node import Node
@@ -111,9 +111,9 @@ def base_quantization(request: dict, trained_on: str, settings: Settings) -> str
     return trained_on if settings.qlora_serve_on == "quantized" else "none"
 
 
-def prepare(node: Node, request_id: str, tenant: str, request: dict) -> Submission:
-    """Resolve the model and tokenize the prompt: what the engine process needs. Raises RequestFailed for an
-    unknown model."""
+def prepare(node: Node, request_id: str, tenant: str, request: dict, priority: Priority) -> Submission:
+    """Resolve the model and tokenize the prompt: what the engine process needs (priority: live requests go
+    before batch lines in the engine). Raises RequestFailed for an unknown model."""
     try:
         base, ref, job = catalog.resolve_with_job(request["model"], tenant, node.settings, node.store)
     except catalog.UnknownModel as exc:
@@ -129,7 +129,8 @@ def prepare(node: Node, request_id: str, tenant: str, request: dict) -> Submissi
     model = ModelKey(base, request.get("attn_implementation"),
                      base_quantization(request, (job or {}).get("quantization") or "none", node.settings),
                      bool(request.get("use_kernels")))
-    return Submission(request_id, model, adapter_of(tenant, ref, node.settings), ids, sampling_params(request))
+    return Submission(request_id, model, adapter_of(tenant, ref, node.settings), ids, sampling_params(request),
+                      priority=priority)
 
 
 def choice_requests(request: dict) -> list[dict]:
@@ -148,7 +149,7 @@ def start(node: Node, request_id: str, tenant: str, request: dict,
     served. With on_delta, the choices stream: on_delta(choice, delta) gets their output as it is produced."""
     choices = choice_requests(request)
     ids = [request_id] if len(choices) == 1 else [f"{request_id}.{i}" for i in range(len(choices))]
-    submissions = [prepare(node, i, tenant, c) for i, c in zip(ids, choices)]
+    submissions = [prepare(node, i, tenant, c, Priority.LIVE) for i, c in zip(ids, choices)]
     callbacks = None
     if on_delta is not None:
         submissions = [dataclasses.replace(s, stream=True) for s in submissions]
