@@ -25,6 +25,12 @@ that variant for that workload only):
   engine                  the same engine again, warm
   engine-adapters         a fresh engine on the model wrapped with 4 random LoRA adapters (rank 16, every decoder
                           projection); the requests cycle through the 4 adapters and the base
+  engine-live             the shipped engine runs the workload as batch requests (all submitted at once) while
+                          live requests (--live-requests of 24-96 tokens, --live-tokens new, streamed) are
+                          submitted one every --live-interval seconds until the batch ends: their time to first
+                          token and time per output token (p50, p99), and the batch's throughput; run twice, the
+                          live requests at live priority, then at batch priority (one arrival-ordered queue, as
+                          before priorities)
   service                 the whole service at its shipped settings: the same prompts as one batch job through the
                           API, Redis, Celery and a worker started by `xpu-jobs up` (bench/service.py); run after
                           every in-process variant of every workload, in one stack
@@ -63,7 +69,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from worker.engine.engine import Engine  # noqa: E402
-from worker.engine.requests import GenerationRequest, SamplingParams  # noqa: E402
+from worker.engine.requests import GenerationRequest, Priority, SamplingParams  # noqa: E402
 
 GiB = 1 << 30
 WORKLOADS = {"current": dict(prompts=512, min_prompt=32, max_prompt=511, new_tokens=128),
@@ -359,6 +365,68 @@ def run_engine_adapters(ctx) -> dict:
     return res
 
 
+def live_during_batch(eng: Engine, prompts: list[list[int]], new: int, live_prompts: list[list[int]], live_new: int,
+                      interval: float, priority: Priority) -> dict:
+    """The prompts as one batch (batch priority, all at once); once it decodes, live requests at `priority`, one
+    every `interval` seconds until the batch ends. TTFT: submit to first delta; TPOT: first to last delta over
+    the tokens after the first."""
+    from bench.service import percentiles
+
+    before = dict(eng.stats)
+    params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+    ended: list[float] = []
+    t0 = time.perf_counter()
+    batch = [eng.submit(GenerationRequest(f"b{i}", p, params, priority=Priority.BATCH)) for i, p in enumerate(prompts)]
+    for future in batch:
+        future.add_done_callback(lambda _: ended.append(time.perf_counter()))
+    while eng.stats["decode_steps"] == before["decode_steps"]:  # live requests come once the batch decodes
+        time.sleep(0.001)
+    live_params = SamplingParams(max_new_tokens=live_new, temperature=0.0, ignore_eos=True)
+    stamps: dict[str, list[float]] = {}  # request id -> [submitted, first delta, last delta]
+
+    def on_delta(delta) -> None:
+        t, mine = time.perf_counter(), stamps[delta.request_id]
+        mine[1:] = [mine[1] if len(mine) > 1 else t, t]
+
+    live = []
+    for i, p in enumerate(live_prompts):
+        if len(ended) == len(batch):
+            break
+        stamps[f"live{i}"] = [time.perf_counter()]
+        live.append(eng.submit(GenerationRequest(f"live{i}", p, live_params, stream=True, priority=priority),
+                               on_delta))
+        time.sleep(interval)
+    results = [f.result() for f in batch]
+    live_results = [f.result() for f in live]
+    ttft = [stamps[r.request_id][1] - stamps[r.request_id][0] for r in live_results]
+    tpot = [(stamps[r.request_id][2] - stamps[r.request_id][1]) / (r.completion_tokens - 1)
+            for r in live_results if r.completion_tokens > 1]
+    ms = lambda values: {k: round(v * 1e3, 2) for k, v in (percentiles(values) or {}).items()}  # noqa: E731
+    return {"tokens": sum(r.completion_tokens for r in results), "seconds": max(ended) - t0,
+            "live_sent": len(live), "live_ttft_ms": ms(ttft), "live_tpot_ms": ms(tpot),
+            "live_errors": sum(r.error is not None for r in live_results),
+            "preemptions_for_live": eng.stats["preemptions_for_live"] - before["preemptions_for_live"],
+            "preemptions": eng.stats["preemptions"] - before["preemptions"]}
+
+
+def run_engine_live(ctx) -> dict:
+    args, dev = ctx["args"], ctx["dev"]
+    eng = _engine(ctx)
+    live_prompts = make_prompts(args.live_requests, 24, 96, ctx["model"].config.vocab_size, seed=1)
+    runs = {}
+    dev.sync()
+    dev.reset_peak()
+    for mode, priority in (("live_priority", Priority.LIVE), ("batch_priority", Priority.BATCH)):
+        runs[mode] = live_during_batch(eng, ctx["prompts"], ctx["new_tokens"], live_prompts, args.live_tokens,
+                                       args.live_interval, priority)
+        runs[mode]["tokens_per_s"] = runs[mode]["tokens"] / runs[mode]["seconds"]
+        print(mode, json.dumps(runs[mode]), flush=True)
+    return {**{k: runs["live_priority"][k] for k in ("tokens", "seconds")}, "steps": None,
+            "peak_memory_bytes": dev.peak(), "peak_reserved_bytes": dev.peak_reserved(), "path": eng.path,
+            **runs, "config": f"{args.live_requests} live requests at most, {args.live_tokens} new tokens, one every "
+                              f"{args.live_interval} s; tokens/s is the batch's with live priority"}
+
+
 def run_variant(name: str, ctx) -> dict:
     if m := re.fullmatch(r"generate-(static-)?bs(\d+)", name):
         close_engine(ctx)  # the engine's cache takes most of the device's free memory
@@ -373,6 +441,8 @@ def run_variant(name: str, ctx) -> dict:
         return run_engine(ctx, cold=False)
     if name == "engine-adapters":
         return run_engine_adapters(ctx)
+    if name == "engine-live":
+        return run_engine_live(ctx)
     raise ValueError(f"unknown variant {name!r}")
 
 
@@ -507,6 +577,9 @@ def main(argv=None) -> int:
     ap.add_argument("--service-first", action="store_true", help="the service and chats before the in-process variants")
     ap.add_argument("--chats", type=int, default=0, help="live chats through the service's stack (0: none)")
     ap.add_argument("--chat-tokens", type=int, default=128)
+    ap.add_argument("--live-requests", type=int, default=64, help="engine-live: live requests at most")
+    ap.add_argument("--live-tokens", type=int, default=32, help="engine-live: new tokens per live request")
+    ap.add_argument("--live-interval", type=float, default=0.05, help="engine-live: seconds between live requests")
     ap.add_argument("--check", action="store_true", help="first compare the engine with generate on this device")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
