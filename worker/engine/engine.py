@@ -768,13 +768,15 @@ class Engine(NativeRunner):
 
     def _make_room_for_live(self) -> None:
         """Preempt running batch sequences for the live requests waiting (scheduler.make_room). Not while a prompt
-        is prefilled in chunks: the next prefill steps continue that one, and the live requests come after it."""
+        is prefilled in chunks: the next prefill steps continue that one, and the live requests come after it. A
+        row whose last token is in flight frees before this step's prefill: it counts as free, not as a victim."""
         with self._cv:
             live = [s for s in self._waiting.first(Priority.LIVE, self.scheduler.max_prompts) if not s.finished]
         if not live or any(s is not None and s.prefilling for s in self._slots):
             return
-        holders = [s for s in self._slots if s is not None]
-        for victim in self.scheduler.make_room(live, holders, len(self._free)):
+        holders = [s for s in self._slots if s is not None and s.n_launched < s.limit]
+        freeing = sum(s is not None for s in self._slots) - len(holders)
+        for victim in self.scheduler.make_room(live, holders, len(self._free) + freeing):
             self._preempt(victim)
             self.stats["preemptions_for_live"] += 1
 
