@@ -12,6 +12,8 @@
 #   ttft      live chats' time to first token through the service against the engine: idle, 64 at once, during a
 #             batch; then the same with every engine step's tokens streamed (XPUJOBS_ENGINE_STREAM_INTERVAL_MS=0)
 #   suite     xpu-jobs doctor, then the tests that touch the device with XPUJOBS_TEST_BACKEND=cuda
+#   priority  live requests' time to first token while a batch runs in the same engine, at live and at batch
+#             priority (bench/generation.py's engine-live variant on the long workload)
 # Usage: bash bench/gpu_run.sh service fallback
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -70,8 +72,8 @@ for s in "$@"; do
         tests/test_fine_tune_e2e.py tests/test_bad_input.py tests/test_launcher.py tests/test_reconciler.py \
         tests/test_worker_faults.py tests/test_training.py ;;
     priority)
-      stage priority 150 python3 -m bench.ttft --model qwen3-0.6b --device cuda --during-batch 512 \
-        --out "$OUT/h200-priority.json" ;;
+      stage priority 150 python3 -m bench.generation --model qwen3-0.6b --device cuda --workloads long \
+        --variants long:engine-live --live-requests 64 --live-interval 0.1 --out "$OUT/h200-priority.json" ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done

@@ -146,19 +146,6 @@ def test_sampled_tokens_survive_preemption(model, tokenizer):
     assert all(len(set(r.output_ids)) > 3 for r in roomy)  # really sampled, not one likely token
 
 
-def submit_when(eng: Engine, ready, requests: list[GenerationRequest], on_delta) -> tuple[list, list[str]]:
-    """Submit `requests` between two engine steps once ready() holds there (the engine's step lock held, so the
-    state read is the one the next step starts from); returns their futures and the ids waiting at that moment."""
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        with eng.model_lock:
-            if ready():
-                waiting = [s.req.request_id for s in eng._waiting]
-                return [eng.submit(r, on_delta) for r in requests], waiting
-        time.sleep(0.002)
-    raise AssertionError("the engine never reached the state asked for")
-
-
 def unpreempted(model, tokenizer, requests: list[GenerationRequest]) -> dict[str, list[int]]:
     """Each request's output ids from an engine with room for all of them at once (nothing preempted)."""
     with Engine(model, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=len(requests),
@@ -168,10 +155,27 @@ def unpreempted(model, tokenizer, requests: list[GenerationRequest]) -> dict[str
     return {r.request_id: r.output_ids for r in results}
 
 
-def first_token_steps(eng: Engine):
-    """An on_delta that records the decode step count at each request's first delta, and the record."""
-    firsts: dict[str, int] = {}
-    return (lambda d: firsts.setdefault(d.request_id, eng.stats["decode_steps"])), firsts
+class SubmitLater:
+    """on_delta for streaming requests: records the decode step count at each request's first delta, and at the
+    first delta after which ready() holds (on the engine's thread, so the state cannot move meanwhile) submits
+    `later`, noting which requests were waiting then without any output yet."""
+
+    def __init__(self, eng: Engine, ready, later: list[GenerationRequest]):
+        self.eng, self.ready, self.later = eng, ready, later
+        self.firsts: dict[str, int] = {}
+        self.futures = None
+        self.waiting: list[str] = []
+
+    def __call__(self, delta) -> None:
+        self.firsts.setdefault(delta.request_id, self.eng.stats["decode_steps"])
+        if self.futures is None and self.ready():
+            self.waiting = [s.req.request_id for s in self.eng._waiting if not s.out]
+            self.futures = [self.eng.submit(r, self) for r in self.later]
+
+    def results(self, futures) -> list:
+        done = [f.result(timeout=120) for f in futures]
+        assert self.futures is not None, "the engine never reached the state asked for"
+        return done + [f.result(timeout=120) for f in self.futures]
 
 
 def test_live_request_goes_before_waiting_batch_and_preempts_running_batch(model, tokenizer):
@@ -187,16 +191,14 @@ def test_live_request_goes_before_waiting_batch_and_preempts_running_batch(model
     kw = dict(max_batch_size=8, max_seq_len=128)
     with Engine(model, tokenizer, device="cpu", memory_budget_bytes=small_cache_budget(model, tokenizer, 12, **kw),
                 **kw) as eng:
-        on_delta, firsts = first_token_steps(eng)
+        later = SubmitLater(eng, lambda: eng.stats["running"] and eng.stats["waiting"]
+                            and eng.stats["kv_blocks_free"] < 5, [live])
         with eng.model_lock:  # the first step sees them all
-            futures = [eng.submit(r, on_delta) for r in batch]
-        more, waiting = submit_when(
-            eng, lambda: eng.stats["running"] and eng.stats["waiting"] and eng.stats["kv_blocks_free"] < 5, [live],
-            on_delta)
-        results = [f.result(timeout=120) for f in futures + more]
+            futures = [eng.submit(r, later) for r in batch]
+        results = later.results(futures)
         assert eng.stats["preemptions_for_live"] >= 1
-    assert waiting
-    assert all(firsts["live"] <= firsts[rid] for rid in waiting), (firsts, waiting)
+    assert later.waiting
+    assert all(later.firsts["live"] <= later.firsts[rid] for rid in later.waiting), (later.firsts, later.waiting)
     for r in results:
         assert r.error is None and r.output_ids == refs[r.request_id], (r.request_id, r.output_ids)
 
@@ -214,14 +216,13 @@ def test_live_request_never_preempts_another_live_one(model, tokenizer):
     kw = dict(max_batch_size=8, max_seq_len=128)
     with Engine(model, tokenizer, device="cpu", memory_budget_bytes=small_cache_budget(model, tokenizer, 12, **kw),
                 **kw) as eng:
-        on_delta, firsts = first_token_steps(eng)
+        later = SubmitLater(eng, lambda: eng.stats["running"] == 3 and eng.stats["kv_blocks_free"] < 5,
+                            batch + [late])
         with eng.model_lock:  # admitted together in the first step: 9 of 12 blocks
-            futures = [eng.submit(r, on_delta) for r in live]
-        futures += submit_when(eng, lambda: eng.stats["running"] == 3 and eng.stats["kv_blocks_free"] < 5,
-                               batch + [late], on_delta)[0]
-        results = [f.result(timeout=120) for f in futures]
+            futures = [eng.submit(r, later) for r in live]
+        results = later.results(futures)
         assert eng.stats["preemptions_for_live"] == 0
-    assert all(firsts["late"] <= firsts[r.request_id] for r in batch), firsts
+    assert all(later.firsts["late"] <= later.firsts[r.request_id] for r in batch), later.firsts
     for r in results:
         assert r.error is None and r.output_ids == refs[r.request_id], (r.request_id, r.output_ids)
 
@@ -236,12 +237,12 @@ def test_fallback_path_admits_live_requests_before_waiting_batch(model, tokenize
     refs = unpreempted(model, tokenizer, batch + [live])
     with Engine(model, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=2, native=False,
                 max_seq_len=128) as eng:
-        on_delta, firsts = first_token_steps(eng)
+        later = SubmitLater(eng, lambda: len(eng._waiting) == 4, [live])
         with eng.model_lock:
-            futures = [eng.submit(r, on_delta) for r in batch]
-        more, waiting = submit_when(eng, lambda: eng.fallback.has_work() and len(eng._waiting) == 4, [live], on_delta)
-        results = [f.result(timeout=120) for f in futures + more]
-    assert all(firsts["live"] <= firsts[rid] for rid in waiting), (firsts, waiting)
+            futures = [eng.submit(r, later) for r in batch]
+        results = later.results(futures)
+    assert later.waiting
+    assert all(later.firsts["live"] <= later.firsts[rid] for rid in later.waiting), (later.firsts, later.waiting)
     for r in results:
         assert r.error is None and r.output_ids == refs[r.request_id], (r.request_id, r.output_ids)
 
