@@ -2,7 +2,6 @@
 
 import asyncio
 import gc
-import logging
 from contextlib import asynccontextmanager, suppress
 
 from fastapi import FastAPI
@@ -66,18 +65,8 @@ def create_app(settings: Settings | None = None) -> errors.BodyLimits:
 
 
 async def _sweep_forever(store: RecordStore, settings: Settings) -> None:
-    """Retention: every retention_sweep_seconds one API process (whichever takes the lock) removes what expired."""
+    """Retention: every retention_sweep_seconds one process (an API process or a worker node, whichever takes the
+    lock) removes what expired."""
     while True:
         await asyncio.sleep(settings.retention_sweep_seconds)
-        await asyncio.to_thread(_sweep_once, store, settings)
-
-
-def _sweep_once(store: RecordStore, settings: Settings) -> None:
-    log = logging.getLogger("xpujobs.retention")
-    try:
-        if store.redis.set("lock:retention", "1", nx=True, px=int(settings.retention_sweep_seconds * 1000)):
-            removed = retention.sweep(store, settings.artifact_root, settings)
-            if removed:
-                log.info("retention removed %s", removed)
-    except Exception:  # Redis away or a file busy: the next round tries again
-        log.exception("retention sweep failed")
+        await asyncio.to_thread(retention.sweep_when_due, store, settings.artifact_root, settings)

@@ -5,8 +5,12 @@ One sweep walks each per-tenant index from its oldest entry (the index is scored
 BATCH records of each index per call, and removes the records that are both older than their kind's retention
 and finished: a record still queued or running is never touched, nor a fine-tuning job that succeeded (its
 fine-tuned model stays usable until it is deleted). Files carry their own expiry in one sorted set.
+
+Every API process and every worker node offers to sweep each retention_sweep_seconds (a deployment may run
+workers without an API, or the reverse); a Redis lock held for that period lets one of them sweep per period.
 """
 
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -29,6 +33,9 @@ FINISHED = {
 WITH_ARTIFACTS = {"ftjob", "batch"}
 EXPIRING = "expiring:file"  # sorted set: "<tenant>/<file id>" scored by expires_at
 BATCH = 1000
+LOCK = "lock:retention"
+
+log = logging.getLogger("xpujobs.retention")
 
 
 def retention_of(kind: str, settings: Settings) -> int:
@@ -69,4 +76,19 @@ def sweep(store: RecordStore, root: Path, settings: Settings, now: float | None 
     if due:
         store.redis.zrem(EXPIRING, *due)
         removed["file"] = len(due)
+    return removed
+
+
+def sweep_when_due(store: RecordStore, root: Path, settings: Settings) -> dict[str, int] | None:
+    """One pass, unless another process took this period's lock (None then). Errors are logged, not raised: Redis
+    away or a file busy, the next period tries again."""
+    try:
+        if not store.redis.set(LOCK, "1", nx=True, px=int(settings.retention_sweep_seconds * 1000)):
+            return None
+        removed = sweep(store, root, settings)
+    except Exception:
+        log.exception("retention sweep failed")
+        return None
+    if removed:
+        log.info("retention removed %s", removed)
     return removed

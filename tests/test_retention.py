@@ -6,6 +6,7 @@ import time
 
 import pytest
 import redis
+from conftest import WorkerNode, _wait
 
 from contract import events, retention
 from contract.layout import file_path, job_dir
@@ -101,3 +102,35 @@ def test_upload_expiry_and_stored_bytes_through_the_api(client_a, http_a, redis_
     retention.sweep(RecordStore(redis_client), settings.artifact_root, settings, now=time.time() + 3601)
     assert http_a.get(f"/v1/files/{upload.id}").status_code == 404
     assert http_a.get("/v1/storage").json()["file_bytes"] == before["file_bytes"]
+
+
+def test_a_worker_node_sweeps_without_an_api(stack_env, stack_dir, redis_url):
+    """A deployment of workers alone (no API process) is swept too: by a node's reconciler, under the same lock.
+    Was: only API processes swept, so such a deployment kept every record."""
+    db = redis_url.rsplit("/", 1)[0] + "/4"  # a Redis database of its own: nothing of the session stack is swept
+    client = redis.Redis.from_url(db, decode_responses=True)
+    client.flushdb()
+    store = RecordStore(client)
+    add(store, "chat", "chatcmpl-old", "completed", 2 * DAY)
+    add(store, "chat", "chatcmpl-young", "completed", 0)
+    env = {**stack_env, "XPUJOBS_REDIS_URL": db, "XPUJOBS_INFERENCE_RETENTION_SECONDS": str(DAY),
+           "XPUJOBS_RETENTION_SWEEP_SECONDS": "1"}
+    node = WorkerNode(env, "sweeper", stack_dir)
+    try:
+        _wait(lambda: node.registered(client) or node.proc.poll() is not None, 240, "the node")
+        assert node.proc.poll() is None, (stack_dir / "sweeper.log").read_text()
+        _wait(lambda: store.get("chat", "chatcmpl-old") is None, 30, "the node's retention sweep (every second)")
+        assert store.get("chat", "chatcmpl-young") is not None
+        assert not client.exists(events.stream_key("chatcmpl-old"))
+    finally:
+        node.stop()
+        client.flushdb()
+
+
+def test_one_sweep_per_period_across_processes(store, tmp_path):
+    settings = Settings(redis_url="redis://unused", artifact_root=tmp_path, retention_sweep_seconds=60)
+    add(store, "chat", "chatcmpl-old", "completed", 8 * DAY)
+    assert retention.sweep_when_due(store, tmp_path, settings) == {"chat": 1}
+    add(store, "chat", "chatcmpl-older", "completed", 9 * DAY)
+    assert retention.sweep_when_due(store, tmp_path, settings) is None  # another process's turn was this period's
+    assert store.get("chat", "chatcmpl-older") is not None

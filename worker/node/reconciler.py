@@ -5,7 +5,8 @@ then died with (prefetched, or waiting for its countdown: the message sits unack
 timeout) is published again, whatever name the node came back under, since each run of a node is its own instance.
 
 Every worker node runs one; a short Redis lock makes one of them act at a time, and every change is a
-compare-and-set on the record, so two reconcilers can never requeue the same job twice.
+compare-and-set on the record, so two reconcilers can never requeue the same job twice. It also offers to run the
+retention sweep each period, as API processes do, so a deployment of workers without an API stays bounded too.
 """
 
 import threading
@@ -13,7 +14,7 @@ import time
 
 from celery import Celery
 
-from contract import batches, events
+from contract import batches, events, retention
 from contract.queues import publish
 from contract.records import RecordStore, now
 from contract.redis_conn import sync_client
@@ -35,6 +36,7 @@ class Reconciler:
         # After Redis was away, leases and registry entries may have lapsed with nobody dead: wait a lease period
         # for the heartbeats to renew them before taking anything for lost.
         self._quiet_until = 0.0
+        self._sweep_at = time.monotonic() + settings.retention_sweep_seconds
 
     def start(self) -> None:
         threading.Thread(target=self._loop, name="xpujobs-reconciler", daemon=True).start()
@@ -52,6 +54,9 @@ class Reconciler:
             except Exception as exc:  # keep reconciling after a Redis blip
                 self._quiet_until = time.monotonic() + self.settings.lease_seconds
                 print(f"xpu-jobs reconciler: {exc}", flush=True)
+            if time.monotonic() >= self._sweep_at:
+                self._sweep_at = time.monotonic() + self.settings.retention_sweep_seconds
+                retention.sweep_when_due(self.store, self.settings.artifact_root, self.settings)
 
     def run_once(self) -> None:
         # A few round trips per kind, whatever the number of jobs in flight: records, leases and live nodes are
