@@ -11,11 +11,11 @@ from starlette.requests import Request
 
 from api.catalog import resolve
 from api.errors import APIError
+from api.placement import route
 from contract import events
 from contract.queues import publish
 from contract.records import RecordStore, new_id, now
-from contract.registry import live_workers
-from contract.routing import NoCapableWorker, choose_queue, inference_requirement
+from contract.routing import inference_requirement
 from contract.settings import Settings
 
 TERMINAL = {"completed", "failed", "cancelled", "incomplete"}
@@ -47,10 +47,7 @@ def submit(kind: str, tenant: str, request: dict, *, settings: Settings, store: 
     """Create a queued record of an inference request and publish it. Nothing is created on a 4xx."""
     base, ref = resolve(request["model"], tenant, settings, store)
     _refuse_what_cannot_fit(kind, request, settings)
-    try:
-        queue = choose_queue(live_workers(store.redis), inference_requirement(settings.models_root, base))
-    except NoCapableWorker as exc:
-        raise APIError(400, str(exc), param="model", code="no_capable_worker") from None
+    queue, _ = route(store.redis, inference_requirement(settings.models_root, base), settings)
     record = {
         "id": new_id(kind), "tenant": tenant, "status": "queued", "created_at": now(),
         "timings": {"received": time.time()}, "model": request["model"],

@@ -11,6 +11,7 @@ from pydantic import StringConstraints
 from api import event_stream
 from api.deps import CeleryDep, LimiterDep, RedisDep, SettingsDep, StoreDep, TenantDep
 from api.errors import APIError, invalid, not_found
+from api.placement import route
 from api.protocol.base import StrictModel
 from api.routes.files import get_file
 from contract import batches, events
@@ -18,8 +19,7 @@ from contract.inference_requests import Metadata
 from contract.layout import file_path
 from contract.queues import backend_queue, node_queue, publish
 from contract.records import new_id, now
-from contract.registry import live_workers
-from contract.routing import NoCapableWorker, Requirement, choose_queue
+from contract.routing import Requirement
 from contract.training_data import numbered_lines
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
@@ -91,11 +91,7 @@ def create_batch(body: BatchCreate, tenant: TenantDep, settings: SettingsDep, st
     if source["purpose"] != "batch":
         raise invalid(f"File '{body.input_file_id}' has purpose '{source['purpose']}', not 'batch'.",
                       param="input_file_id")
-    workers = live_workers(redis)
-    try:
-        queue = choose_queue(workers, Requirement())
-    except NoCapableWorker as exc:
-        raise APIError(400, str(exc), code="no_capable_worker") from None
+    queue, workers = route(redis, Requirement(), settings, param=None)
     # Chunks are dealt round-robin to the nodes of the chosen queue's backend, least busy first, so a large batch
     # runs on several devices at once (a node's threads would otherwise reserve every chunk it could).
     nodes = sorted((w for w in workers if queue in (backend_queue(w["backend"]), node_queue(w["node"]))),

@@ -9,6 +9,7 @@ from api import adapter_archive, event_stream
 from api.catalog import resolve
 from api.deps import CeleryDep, LimiterDep, RedisDep, SettingsDep, StoreDep, TenantDep
 from api.errors import APIError, invalid, not_found
+from api.placement import route
 from api.protocol.fine_tuning import FineTuningJobCreate, Hyperparameters
 from api.routes.files import get_file
 from contract import events
@@ -113,11 +114,8 @@ def create_job(body: FineTuningJobCreate, tenant: TenantDep, settings: SettingsD
     get_file(store, body.training_file, tenant, "training_file")
     if body.validation_file:
         get_file(store, body.validation_file, tenant, "validation_file")
-    try:
-        queue = choose_queue(live_workers(redis),
-                             training_requirement(settings.models_root, base, body.quantization, bool(body.bf16)))
-    except NoCapableWorker as exc:
-        raise APIError(400, str(exc), param="model", code="no_capable_worker") from None
+    queue, _ = route(redis, training_requirement(settings.models_root, base, body.quantization, bool(body.bf16)),
+                     settings)
 
     # The files' contents are validated before anything is created: a rejected job leaves no record.
     method = _method_type(body)

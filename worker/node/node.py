@@ -12,6 +12,10 @@ from contract.redis_conn import durable_client, sync_client
 from contract.settings import Settings
 from worker.node import devices
 
+# While Redis is away, how often the heartbeat tries again: a restarted Redis lost or expired the registry entry,
+# and until the node writes it again the API cannot route to it.
+RECONNECT_SECONDS = 0.2
+
 
 class Node:
     def __init__(self, settings: Settings):
@@ -25,6 +29,8 @@ class Node:
         self.instance = f"{self.name}/{secrets.token_hex(4)}"
         self.store = RecordStore(durable_client(settings))
         self.redis = self.store.redis
+        # The heartbeat's own client fails fast instead of waiting for Redis, so the beat notices it is back at once.
+        self._beat_redis = sync_client(settings)
         self.started_at = int(time.time())
         self.current_jobs: set[str] = set()
         self.training_slot = threading.Lock()  # one fine-tune at a time per device group
@@ -73,13 +79,14 @@ class Node:
             self.current_jobs.discard(job_id)
         events.release_lease(self.redis, job_id, self.name)
 
-    def heartbeat(self) -> None:
+    def heartbeat(self, client=None) -> None:
+        client = client or self.redis
         # Leases first: they are what keeps running work from being requeued.
         with self._lock:
             jobs = list(self.current_jobs)
         for job_id in jobs:
-            events.refresh_lease(self.redis, job_id, self.name, self.settings.lease_seconds)
-        registry.register(self.redis, self.name, self.info(), self.settings.lease_seconds)
+            events.refresh_lease(client, job_id, self.name, self.settings.lease_seconds)
+        registry.register(client, self.name, self.info(), self.settings.lease_seconds)
 
     def start(self) -> None:
         from worker.node import metrics
@@ -89,11 +96,18 @@ class Node:
         threading.Thread(target=self._beat, name="xpujobs-heartbeat", daemon=True).start()
 
     def _beat(self) -> None:
-        while not self._stop.wait(self.settings.heartbeat_seconds):
+        failing = False
+        while not self._stop.wait(RECONNECT_SECONDS if failing else self.settings.heartbeat_seconds):
             try:
-                self.heartbeat()
+                self.heartbeat(self._beat_redis)
             except Exception as exc:  # Redis blips must not kill the heartbeat; the lease tolerates a miss.
-                print(f"xpu-jobs heartbeat failed: {exc}", flush=True)
+                if not failing:
+                    print(f"xpu-jobs heartbeat failed: {exc}; retrying every {RECONNECT_SECONDS} s", flush=True)
+                failing = True
+            else:
+                if failing:
+                    print("xpu-jobs heartbeat: Redis is back, registered again", flush=True)
+                failing = False
 
     def stop(self) -> None:
         self._stop.set()
