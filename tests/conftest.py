@@ -155,13 +155,13 @@ def workers(start_worker):
 
 
 @contextlib.contextmanager
-def running_api(env: dict[str, str], log_path: Path):
-    """The API under uvicorn with two processes, as in production (several): every call may land on either.
-    Yields its base URL once /health answers."""
+def running_api(env: dict[str, str], log_path: Path, processes: int = 2):
+    """The API under uvicorn with two processes by default, as in production (several): every call may land on
+    either. Yields its base URL once /health answers."""
     port = free_port()
     log = log_path.open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "api", "--port", str(port), "--workers", "2"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "api", "--port", str(port),
+                             "--workers", str(processes)], env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
 
     def healthy():
