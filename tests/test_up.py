@@ -9,6 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
+import pytest
+from conftest import _wait
+
 from worker.node.redis_server import free_port
 
 
@@ -88,3 +92,58 @@ def test_shutdown_stops_redis_last_and_a_second_signal_is_cold(tmp_path):
     assert [line.split()[0] for line in lines["api"]] == ["SIGTERM"]
     assert [line.split()[0] for line in lines["redis"]] == ["SIGTERM"]
     assert float(lines["redis"][0].split()[1]) > float(lines["workers"][1].split()[1])
+
+
+def start_up(tmp_path: Path) -> tuple[subprocess.Popen, Path, str]:
+    """The real `xpu-jobs up` (embedded Redis, one CPU worker, one API process), once its worker is ready."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZE_", "CUDA_", "XPUJOBS_"))}
+    env.update({"XPUJOBS_API_WORKERS": "1", "XPUJOBS_DEVICE_BACKEND": "cpu", "OMP_NUM_THREADS": "1",
+                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
+    port, log = free_port(), tmp_path / "up.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "up", "--data-dir", str(tmp_path / "data"),
+                                 "--port", str(port), "--redis-port", str(free_port())], env=env, cwd=tmp_path,
+                                stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready():
+        assert proc.poll() is None, log.read_text()
+        try:  # Celery's "ready." comes once the worker handles signals (before, SIGTERM would just kill it)
+            return " ready." in log.read_text() and httpx.get(url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    _wait(ready, 240, "xpu-jobs up")
+    return proc, log, url
+
+
+def said(log: Path) -> list[str]:
+    return [line.removeprefix("xpu-jobs: ") for line in log.read_text().splitlines() if line.startswith("xpu-jobs: ")]
+
+
+@pytest.mark.faults
+def test_ctrl_c_once_is_a_warm_stop_in_order(tmp_path):
+    """Was: exit code 15 (uvicorn re-raises the SIGTERM it shut down on) and nothing said of the order."""
+    proc, log, _ = start_up(tmp_path)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(120) == 0, log.read_text()[-3000:]
+    lines = said(log)
+    assert lines[0] == "stopping the workers, the API softly (warm shutdown; again to stop at once)", lines
+    assert set(lines[1:3]) == {"the API stopped", "the workers stopped"}  # both before Redis
+    assert lines[3:] == ["stopping Redis", "Redis stopped"]
+    assert "Warm shutdown" in log.read_text() and "Cold shutdown" not in log.read_text()
+
+
+@pytest.mark.faults
+def test_ctrl_c_twice_is_a_cold_stop_with_redis_last(tmp_path):
+    proc, log, _ = start_up(tmp_path)
+    proc.send_signal(signal.SIGINT)
+    _wait(lambda: any(line.startswith("stopping the workers, the API softly") for line in said(log)), 30,
+          "the warm stop to begin")
+    proc.send_signal(signal.SIGINT)  # the idle worker's warm shutdown takes seconds: it is still under way
+    assert proc.wait(120) == 0, log.read_text()[-3000:]
+    lines = said(log)
+    cold = next(i for i, line in enumerate(lines) if line.endswith("at once (cold shutdown)"))
+    assert lines[cold].startswith("stopping the workers") and "Cold shutdown" in log.read_text()
+    assert lines.index("the workers stopped") > cold
+    assert lines[-2:] == ["stopping Redis", "Redis stopped"]

@@ -104,28 +104,54 @@ def _supervise(procs: dict[str, subprocess.Popen], last: dict[str, subprocess.Po
     SIGINT/SIGTERM stops them softly (SIGTERM: Celery's warm shutdown, where running fine-tunes checkpoint and go
     back on a queue), a second one at once (SIGQUIT: Celery's cold shutdown); when one child dies, the others are
     stopped softly. `last` (the embedded Redis) is stopped only once the others have exited, since their warm
-    shutdown still writes to it."""
+    shutdown still writes to it. Each step is said on stderr, so the log shows the order. Returns 0 when every
+    child stopped cleanly or on a signal it was sent (uvicorn re-raises SIGTERM on itself once it has shut down
+    gracefully), else the largest exit code."""
+    # Stops asked for (signals received, or a child's death); the loop acts on them, since a handler that printed
+    # could interrupt a print of the loop's own.
     asked: list[int] = []
+    acted = 0
+    sent: dict[str, set[int]] = {}  # the signals each child was sent
 
-    def stop(signum, _frame):
-        asked.append(signum)
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM if len(asked) == 1 else signal.SIGQUIT)
+    def say(message: str) -> None:
+        print(f"xpu-jobs: {message}", file=sys.stderr, flush=True)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    while any(p.poll() is None for p in procs.values()):
+    def stop(cold: bool) -> None:
+        running = [name for name, p in procs.items() if p.poll() is None]
+        say(f"stopping {', '.join(running)} " + ("at once (cold shutdown)" if cold else
+                                                  "softly (warm shutdown; again to stop at once)"))
+        for name in running:
+            signum = signal.SIGQUIT if cold else signal.SIGTERM
+            sent.setdefault(name, set()).add(signum)
+            procs[name].send_signal(signum)
+
+    def code(name: str) -> int:
+        returncode = procs[name].returncode
+        return 0 if -returncode in sent.get(name, ()) else abs(returncode)
+
+    signal.signal(signal.SIGTERM, lambda signum, _: asked.append(signum))
+    signal.signal(signal.SIGINT, lambda signum, _: asked.append(signum))
+    ended: set[str] = set()
+    while len(ended) < len(procs):
+        if acted < min(len(asked), 2):
+            acted = min(len(asked), 2)
+            stop(cold=acted == 2)
         for name, p in procs.items():
-            if p.poll() is not None and not asked:
-                print(f"xpu-jobs: {name} exited with code {p.returncode}; stopping the rest", file=sys.stderr,
-                      flush=True)
-                stop(signal.SIGTERM, None)
-        time.sleep(0.5)
-    for p in (last or {}).values():
+            if p.poll() is None or name in ended:
+                continue
+            ended.add(name)
+            if asked:
+                say(f"{name} stopped" if code(name) == 0 else f"{name} exited with code {p.returncode}")
+            else:
+                say(f"{name} exited with code {p.returncode}; stopping the rest")
+                asked.append(0)
+        time.sleep(0.1)
+    for name, p in (last or {}).items():
+        say(f"stopping {name}")
         p.terminate()
         p.wait(30)
-    return max(abs(p.returncode) for p in procs.values())
+        say(f"{name} stopped")
+    return max(code(name) for name in procs)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
