@@ -33,11 +33,16 @@ def sync_client(settings: Settings) -> redis.Redis:
 
 def durable_client(settings: Settings) -> redis.Redis:
     """For the worker side (node, batch chunks, trainer): a call made while Redis is away waits for it to come back,
-    however long that takes, so an outage pauses work instead of failing a job halfway through its bookkeeping."""
-    return redis.Redis.from_url(settings.redis_url, decode_responses=True,
-                                health_check_interval=HEALTH_CHECK_SECONDS, socket_keepalive=True,
-                                retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=-1),
-                                retry_on_error=[ConnectionError, TimeoutError])
+    however long that takes, so an outage pauses work instead of failing a job halfway through its bookkeeping. A
+    call made while every connection is in use waits for one, however long (a node runs up to
+    XPUJOBS_LIVE_MAX_REQUESTS request threads, more than its connections; redis-py's default pool would refuse the
+    excess, outside the retry, and drop those requests)."""
+    pool = redis.BlockingConnectionPool.from_url(
+        settings.redis_url, decode_responses=True, max_connections=settings.redis_max_connections, timeout=None,
+        health_check_interval=HEALTH_CHECK_SECONDS, socket_keepalive=True,
+        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=-1),
+        retry_on_error=[ConnectionError, TimeoutError])
+    return redis.Redis(connection_pool=pool)
 
 
 def async_client(settings: Settings) -> aioredis.Redis:

@@ -60,10 +60,12 @@ def test_300_event_streams_at_once_each_get_every_event(api_url, redis_client):
 
 
 @pytest.mark.faults
-def test_a_burst_of_300_chats_has_no_server_error(api_url, http_a):
-    """The issue's case: 300 synchronous chats at once, each waiting on Redis for its answer."""
+def test_a_burst_of_300_chats_has_no_server_error(api_url):
+    """The issue's case: 300 synchronous chats at once, each waiting on Redis for its answer. When the burst meets
+    the model's first load (it does when it is the session's first chat) the nodes hold up to 256 requests each
+    while it loads, and they finish together: more request threads than the node's Redis connections. Was, so:
+    76-86 of 300 dropped by the nodes (MaxConnectionsError), 504 after the request timeout."""
     body = {"model": "demo-tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}
-    assert http_a.post("/v1/chat/completions", json=body).status_code == 200  # the model is loaded
 
     async def burst():
         limits = httpx.Limits(max_connections=BURST, max_keepalive_connections=0)
