@@ -25,7 +25,8 @@ def _rebuilding(client: redis.Redis, settings: Settings) -> bool:
 
 def route(client: redis.Redis, need: Requirement, settings: Settings, param: str | None = "model"
           ) -> tuple[str, list[dict]]:
-    """The queue for a job (and the live workers it was chosen from); raises the API's no_capable_worker error."""
+    """The queue for a job (and the live workers it was chosen from). Raises a 400 no_capable_worker, or while the
+    registry is being rebuilt and the wait was not enough, a 503 service_unavailable."""
     # Every live node writes its entry each heartbeat: two of them is long enough to hear from all of them.
     deadline = time.monotonic() + 2 * settings.heartbeat_seconds
     while True:

@@ -80,6 +80,8 @@ class Node:
         events.release_lease(self.redis, job_id, self.name)
 
     def heartbeat(self, client=None) -> None:
+        """Refresh the leases and the registry entry, through `client` (the beat's fail-fast one), by default the
+        durable one, which waits for Redis (the first beat, at start)."""
         client = client or self.redis
         # Leases first: they are what keeps running work from being requeued.
         with self._lock:
