@@ -10,7 +10,7 @@
 #   constrained  the cost of one grammar-constrained request (forced tool call, tool_choice auto) to the batch
 #   long-generate  plain generate's baselines on the long workload, alone on the device
 #   ttft      live chats' time to first token through the service against the engine: idle, 64 at once, during a
-#             batch; then the same with every engine step's tokens streamed (XPUJOBS_ENGINE_STREAM_INTERVAL_MS=0)
+#             batch; ttft-every-step: the same with every engine step's tokens streamed (STREAM_INTERVAL_MS=0)
 #   suite     xpu-jobs doctor, then the tests that touch the device with XPUJOBS_TEST_BACKEND=cuda
 #   priority  live requests' time to first token while a batch runs in the same engine, at live and at batch
 #             priority (bench/generation.py's engine-live variant on the long workload)
@@ -61,12 +61,13 @@ for s in "$@"; do
         --generate-prompts 256 --variants long:generate-bs256,long:generate-static-bs256 \
         --out "$OUT/h200-long-generate.json" ;;
     ttft)  # live chats' time to first token: idle, 64 at once, during a batch; then every step's tokens streamed
-      stage ttft 200 python3 -m bench.ttft --model qwen3-0.6b --requests 64 --batch-lines 512 --out "$OUT/h200-ttft.json"
+      stage ttft 200 python3 -m bench.ttft --model qwen3-0.6b --requests 64 --batch-lines 512 --out "$OUT/h200-ttft.json" ;;
+    ttft-every-step)
       stage ttft-every-step 200 python3 -m bench.ttft --model qwen3-0.6b --requests 64 --batch-lines 0 \
         --stack-env XPUJOBS_ENGINE_STREAM_INTERVAL_MS=0 --out "$OUT/h200-ttft-every-step.json" ;;
     suite)  # xpu-jobs doctor, then the tests that touch the device, with the suite's backend set to cuda
       stage doctor 120 python3 -m worker.cli doctor
-      stage suite 420 env XPUJOBS_TEST_BACKEND=cuda python3 -m pytest -q -p no:cacheprovider -x --timeout 300 \
+      stage suite ${SUITE_LIMIT:-420} env XPUJOBS_TEST_BACKEND=cuda python3 -m pytest -q -p no:cacheprovider -x --timeout 300 \
         tests/test_engine.py tests/test_engine_architectures.py tests/test_kv_cache.py tests/test_inference.py \
         tests/test_inference_api.py tests/test_streaming.py tests/test_structured_outputs.py tests/test_batches.py \
         tests/test_fine_tune_e2e.py tests/test_bad_input.py tests/test_launcher.py tests/test_reconciler.py \
