@@ -321,3 +321,32 @@ def test_gradient_checkpointing_is_a_job_option(client_a, training_file):
     assert job.gradient_checkpointing is True
     messages = [e.message for e in client_a.fine_tuning.jobs.list_events(job.id, limit=100)]
     assert any(m.startswith("Gradient checkpointing is on") for m in messages)
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"strategy": "zero3"}, "strategy"),
+    ({"packing": "sometimes"}, "packing"),
+    ({"strategy": "fsdp", "quantization": "4bit"}, "strategy"),
+    ({"strategy": "fsdp", "method": {"type": "dpo"}}, "strategy"),
+    ({"packing": True, "method": {"type": "dpo"}}, "packing"),
+])
+def test_bad_strategy_or_packing_is_refused(client_a, training_file, extra, param):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as exc:
+        client_a.fine_tuning.jobs.create(model="demo-tiny", training_file=training_file.id, extra_body=extra)
+    assert exc.value.body["param"] == param and exc.value.body["code"] != "unknown_parameter", exc.value.body
+
+
+def test_packing_and_strategy_are_job_options(client_a, training_file):
+    """A packed job trains and serves; strategy fsdp on a worker with one training process says it has nothing
+    to shard (the two-process run is tests/test_training.py's)."""
+    job = client_a.fine_tuning.jobs.create(model="demo-tiny", training_file=training_file.id,
+                                           hyperparameters={"batch_size": 4},
+                                           extra_body={"packing": True, "strategy": "fsdp", "max_steps": 2})
+    job = wait_for_job(client_a, job.id)
+    assert job.status == "succeeded", job.error
+    assert job.packing is True and job.strategy == "fsdp"
+    messages = [e.message for e in client_a.fine_tuning.jobs.list_events(job.id, limit=100)]
+    assert any(m.startswith("strategy fsdp with one training process") for m in messages)
+    assert ask_chat(client_a, job.fine_tuned_model) is not None

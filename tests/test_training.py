@@ -118,13 +118,7 @@ def test_examples_longer_than_the_context_are_truncated_or_skipped(tmp_path):
     assert len(row["input_ids"]) == 64 and any(label != -100 for label in row["labels"])
 
 
-def test_data_parallel_training_with_two_processes(stack_env, redis_client, tmp_path):
-    """The guide's multi-process training: torchrun starts one process per device (gloo on CPU here; xccl on
-    XPU, nccl on CUDA); the main process reports and saves, all stop together."""
-    import json
-    import os
-    import subprocess
-
+def _skip_without_two_devices():
     from conftest import TEST_BACKEND
 
     if TEST_BACKEND != "cpu":
@@ -132,37 +126,121 @@ def test_data_parallel_training_with_two_processes(stack_env, redis_client, tmp_
 
         if probe_backend(TEST_BACKEND)[1] < 2:  # one process per device: a GPU run needs two of them
             pytest.skip(f"two {TEST_BACKEND} devices are needed; this machine has fewer")
+
+
+def _two_process_job(stack_env, redis_client, tenant: str, **fields) -> tuple[str, dict, list[dict]]:
+    """A job record trained by two processes through torchrun: (job id, outcome, events)."""
+    import json
+    import subprocess
+
     from contract import events
     from contract.layout import adapter_dir, file_path
     from contract.records import RecordStore, new_id
-    from worker.node.devices import DISTRIBUTED_BACKEND
     from worker.training.fine_tune import training_command
 
     root = Path(stack_env["XPUJOBS_ARTIFACT_ROOT"])
-    store = RecordStore(redis_client)
     job_id, file_id = new_id("ftjob"), new_id("file")
-    data = file_path(root, "tenant-ddp", file_id)
+    data = file_path(root, tenant, file_id)
     data.parent.mkdir(parents=True, exist_ok=True)
     data.write_text("\n".join(json.dumps({"prompt": f"Q{i}", "completion": f"A{i}."}) for i in range(8)))
     hyper = {"n_epochs": 2, "batch_size": 2, "learning_rate_multiplier": 1.0, "learning_rate": 2e-4}
-    store.create("ftjob", {"id": job_id, "tenant": "tenant-ddp", "status": "running", "model": "demo-tiny",
-                           "training_file": file_id, "validation_file": None, "suffix": "ddp", "seed": 1,
-                           "hyperparameters": hyper, "lora": {"r": 4, "alpha": 8, "dropout": 0.0,
-                                                              "target_modules": "all-linear"},
-                           "quantization": "none", "bf16": None, "attn_implementation": "sdpa",
-                           "use_kernels": False, "max_steps": None, "checkpoint_steps": 2, "checkpoints": []})
+    RecordStore(redis_client).create("ftjob", {
+        "id": job_id, "tenant": tenant, "status": "running", "model": "demo-tiny", "training_file": file_id,
+        "validation_file": None, "suffix": "two", "seed": 1, "hyperparameters": hyper,
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear"}, "quantization": "none",
+        "bf16": None, "attn_implementation": "sdpa", "use_kernels": False, "max_steps": None, "checkpoint_steps": 2,
+        "checkpoints": [], **fields})
     command = training_command(job_id, 2)
     assert command[1:3] == ["-m", "torch.distributed.run"]
     result = subprocess.run(command, env={**stack_env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                             timeout=240)
+    outcome = json.loads((adapter_dir(root, tenant, job_id).parent / "outcome.json").read_text())
+    assert outcome["status"] == "succeeded", result.stderr[-6000:]
     assert result.returncode == 0, result.stderr[-3000:]
-    outcome = json.loads((adapter_dir(root, "tenant-ddp", job_id).parent
-                          / "outcome.json").read_text())
-    assert outcome["status"] == "succeeded", outcome
-    assert (adapter_dir(root, "tenant-ddp", job_id) / "adapter_model.safetensors").exists()
-    messages = [e["message"] for e in events.read_all(redis_client, job_id)]
+    assert (adapter_dir(root, tenant, job_id) / "adapter_model.safetensors").exists()
+    return job_id, outcome, events.read_all(redis_client, job_id)
+
+
+def test_data_parallel_training_with_two_processes(stack_env, redis_client):
+    """The guide's multi-process training: torchrun starts one process per device (gloo on CPU here; xccl on
+    XPU, nccl on CUDA); the main process reports and saves, all stop together."""
+    import os
+
+    from conftest import TEST_BACKEND
+
+    from contract.records import RecordStore
+    from worker.node.devices import DISTRIBUTED_BACKEND
+
+    _skip_without_two_devices()
+    job_id, _, job_events = _two_process_job(stack_env, redis_client, "tenant-ddp")
+    messages = [e["message"] for e in job_events]
     assert f"Training with 2 processes ({DISTRIBUTED_BACKEND[TEST_BACKEND]} collectives)" in messages
     # 8 examples, 2 per process per step, 2 processes: 2 steps an epoch, 4 in all; each step reported once.
     assert [m.split(":")[0] for m in messages if m.startswith("Step ")] == [f"Step {i}/4" for i in (1, 2, 3, 4)]
-    assert [c["step_number"] for c in store.get("ftjob", job_id)["checkpoints"]] == [2, 4]
+    assert [c["step_number"] for c in RecordStore(redis_client).get("ftjob", job_id)["checkpoints"]] == [2, 4]
+    assert not any(e["data"].get("strategy") == "fsdp" for e in job_events)  # DDP replicates: nothing sharded
     assert os.environ.get("RANK") is None
+
+
+def test_sharded_training_with_two_processes_serves_its_adapter(stack_env, redis_client, client_a):
+    """strategy fsdp: the base is sharded over the two processes (FSDP2), each holding about half of its
+    parameters; the job checkpoints, and the adapter saved by the main process is a plain PEFT adapter that the
+    service serves."""
+    from contract.records import RecordStore
+
+    _skip_without_two_devices()
+    job_id, outcome, job_events = _two_process_job(stack_env, redis_client, "tenant-a", strategy="fsdp")
+    [sharding] = [e["data"] for e in job_events if e["data"].get("strategy") == "fsdp"]
+    whole, local = sharding["parameter_bytes"], sharding["local_parameter_bytes"]
+    assert len(local) == 2 and all(whole * 0.4 < b < whole * 0.6 for b in local), sharding  # LoRA: replicated
+    assert [m["message"].split(":")[0] for m in job_events if m["message"].startswith("Step ")] == \
+        [f"Step {i}/4" for i in (1, 2, 3, 4)]
+    store = RecordStore(redis_client)
+    assert [c["step_number"] for c in store.get("ftjob", job_id)["checkpoints"]] == [2, 4]
+    # A plain PEFT adapter, gathered whole: PEFT loads it on the base (a shard would not fit the shapes), trained.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from contract.layout import adapter_dir
+
+    base = AutoModelForCausalLM.from_pretrained(Path(stack_env["XPUJOBS_MODELS_ROOT"]) / "demo-tiny")
+    adapter = adapter_dir(Path(stack_env["XPUJOBS_ARTIFACT_ROOT"]), "tenant-a", job_id)
+    trained = PeftModel.from_pretrained(base, str(adapter))
+    assert all(p.abs().sum() > 0 for n, p in trained.named_parameters() if "lora_B" in n)  # zero before training
+    # Settled as the node would, then served through the API like any fine-tuned model.
+    store.update("ftjob", job_id, {"status": "succeeded", "fine_tuned_model": outcome["fine_tuned_model"]})
+    reply = client_a.chat.completions.create(model=outcome["fine_tuned_model"], max_tokens=4, temperature=0,
+                                             messages=[{"role": "user", "content": "Q1"}])
+    assert reply.model == outcome["fine_tuned_model"] and reply.usage.completion_tokens == 4
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_packed_examples_train_at_the_loss_of_the_padded_batch(tmp_path, attn_implementation):
+    """Packing concatenates a batch's examples into one row, position ids restarting per example and no attention
+    mask: transformers then keeps attention within each example, so the loss is the padded batch's. With a KV cache
+    (the config's use_cache, which mixed examples before) transformers builds no packed mask from the position ids
+    and every token attends to the examples before it: the training model is loaded without one."""
+    import torch
+
+    from contract.settings import Settings
+    from worker.models import load_model_and_tokenizer
+    from worker.training.trainer import Collator, JobFailed, check_packing_keeps_examples_apart, packing_collator
+
+    build_demo_model(tmp_path / "tiny")
+    model, tokenizer = load_model_and_tokenizer("tiny", Settings(models_root=tmp_path), "cpu",
+                                                attn_implementation=attn_implementation, for_training=True)
+    model.eval()
+    lines = [{"prompt": "Hi", "completion": "Hello."}, {"prompt": "word " * 40, "completion": "A long one " * 5},
+             {"prompt": "Say hello.", "completion": "Hello from the fine-tuned adapter!"}]
+    rows, _ = tokenize_examples(tokenizer, [example(line) for line in lines], 1024)
+    padded, packed = Collator(tokenizer.pad_token_id)(rows), packing_collator()(rows)
+    assert packed["input_ids"].shape == (1, sum(len(r["input_ids"]) for r in rows)) and "attention_mask" not in packed
+    with torch.no_grad():
+        torch.testing.assert_close(model(**packed).loss, model(**padded).loss, atol=1e-5, rtol=1e-5)
+        mixed = model(**packed, use_cache=True).loss
+    assert abs(float(mixed) - float(model(**padded).loss)) > 1e-3
+    check_packing_keeps_examples_apart(model, rows)
+
+    model.config.use_cache = True  # as a model whose attention ignores the position-id boundaries
+    with pytest.raises(JobFailed, match="packing"):
+        check_packing_keeps_examples_apart(model, rows)

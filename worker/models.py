@@ -83,7 +83,10 @@ def kernel_config(settings: Settings, backend: str):
 
 
 def load_model_and_tokenizer(name: str, settings: Settings, backend: str, *, attn_implementation: str = "sdpa",
-                             quantization: str = "none", use_kernels: bool = False, for_training: bool = False):
+                             quantization: str = "none", use_kernels: bool = False, for_training: bool = False,
+                             shard_over: int = 1):
+    """shard_over > 1: the base is sharded at load over that many processes (FSDP2 through transformers'
+    DistributedConfig, the process group already up), each rank holding its shard on its own device."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     if attn_implementation == "flash_attention_2" and backend == "cpu":
@@ -92,6 +95,10 @@ def load_model_and_tokenizer(name: str, settings: Settings, backend: str, *, att
     dtype = devices.compute_dtype(backend)
     kwargs = {"dtype": dtype, "attn_implementation": attn_implementation,
               "trust_remote_code": settings.trust_remote_code}
+    if for_training:
+        # Training needs no KV cache, and with one (the config's use_cache) transformers builds no packed-sequence
+        # mask from position ids: packed examples would attend to each other under sdpa and eager attention.
+        kwargs["use_cache"] = False
     if use_kernels:
         kwargs["use_kernels"] = True
         kwargs["kernel_config"] = kernel_config(settings, backend)
@@ -101,7 +108,11 @@ def load_model_and_tokenizer(name: str, settings: Settings, backend: str, *, att
             bnb_4bit_use_double_quant=True)
     elif quantization == "8bit":
         kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
-    if backend == "cpu":
+    if shard_over > 1:
+        from transformers.distributed import DistributedConfig
+
+        kwargs["distributed_config"] = DistributedConfig(fsdp_size=shard_over)
+    elif backend == "cpu":
         kwargs["device_map"] = {"": "cpu"}
     elif for_training:
         kwargs["device_map"] = {"": devices.rank_device(backend)}

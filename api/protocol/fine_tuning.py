@@ -60,3 +60,7 @@ class FineTuningJobCreate(StrictModel):
     checkpoint_steps: int | None = Field(None, ge=1, description="save a checkpoint every N steps")
     gradient_checkpointing: bool | None = Field(None, description="recompute activations in the backward pass to "
                                                                   "save memory; None: on for GPU devices")
+    strategy: Literal["ddp", "fsdp"] = Field("ddp", description="with several training processes: ddp replicates "
+                                                                "the model, fsdp shards the base over them (FSDP2)")
+    packing: bool = Field(False, description="each batch's examples concatenated into one row without padding, "
+                                             "attention kept within each example")

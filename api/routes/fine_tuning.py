@@ -27,7 +27,7 @@ PUBLIC_FIELDS = ("id", "created_at", "finished_at", "estimated_finish", "model",
                  "hyperparameters", "method", "seed", "metadata", "training_file", "validation_file",
                  "result_files", "trained_tokens", "status", "error", "suffix", "lora", "quantization",
                  "bf16", "attn_implementation", "use_kernels", "max_steps", "checkpoint_steps", "attempts",
-                 "gradient_checkpointing")
+                 "gradient_checkpointing", "strategy", "packing")
 
 
 def to_openai(record: dict) -> dict:
@@ -80,6 +80,20 @@ def _resolved_hyperparameters(body: FineTuningJobCreate, settings) -> dict:
     return resolved
 
 
+def _check_strategy_and_packing(body: FineTuningJobCreate) -> None:
+    method = _method_type(body)
+    if body.strategy == "fsdp" and body.quantization != "none":
+        # Sharding a bitsandbytes base needs its quantized storage in the compute dtype (bnb_4bit_quant_storage),
+        # which the service's 4-bit loading does not set, and 8-bit weights cannot be sharded at all.
+        raise invalid("strategy 'fsdp' does not go with quantization: a quantized base is not sharded. Use "
+                      "strategy 'ddp' or quantization 'none'.", param="strategy")
+    if body.strategy == "fsdp" and method == "dpo":
+        raise invalid("strategy 'fsdp' is supported for method 'supervised' only.", param="strategy")
+    if body.packing and method == "dpo":
+        raise invalid("packing is supported for method 'supervised' only (DPO batches pair their answers).",
+                      param="packing")
+
+
 def _check_training_file(store, settings, tenant: str, file_id: str, param: str,
                          method: str = "supervised") -> list[str]:
     record = get_file(store, file_id, tenant, param)
@@ -107,6 +121,7 @@ def create_job(body: FineTuningJobCreate, tenant: TenantDep, settings: SettingsD
     if body.suffix is not None and not SUFFIX_PATTERN.match(body.suffix):
         raise invalid("suffix may hold only letters, digits, '-' and '_' (at most 64).", param="suffix")
     hyperparameters = _resolved_hyperparameters(body, settings)
+    _check_strategy_and_packing(body)
     for name in ("max_steps", "checkpoint_steps"):
         if (getattr(body, name) or 0) > settings.max_training_steps:
             raise invalid(f"{name} must be at most {settings.max_training_steps}.", param=name)
@@ -138,7 +153,7 @@ def create_job(body: FineTuningJobCreate, tenant: TenantDep, settings: SettingsD
         "attn_implementation": body.attn_implementation, "use_kernels": body.use_kernels,
         "max_steps": body.max_steps,
         "checkpoint_steps": body.checkpoint_steps or settings.checkpoint_steps,
-        "gradient_checkpointing": body.gradient_checkpointing,
+        "gradient_checkpointing": body.gradient_checkpointing, "strategy": body.strategy, "packing": body.packing,
         "fine_tuned_model": None, "finished_at": None, "estimated_finish": None, "trained_tokens": None,
         "result_files": [], "error": None, "queue": queue, "attempts": 0, "checkpoints": [],
     }

@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 from contract import events
@@ -102,6 +103,72 @@ def tokenize_examples(tokenizer, examples: list[dict], max_length: int) -> tuple
                     continue
             rows.append({"input_ids": input_ids, "labels": labels})
     return rows, report
+
+
+def packing_collator():
+    """Packing: the batch's examples concatenated into one row without padding, each with its own position ids
+    from 0 and without an attention mask. From those position ids, transformers builds a block-diagonal causal mask
+    for sdpa and eager attention and variable-length kernels for flash attention, so no token attends across
+    examples. The first label of each example is dropped (-100): it would be predicted from the previous example."""
+    from transformers import DataCollatorWithFlattening
+
+    return DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
+
+
+def check_packing_keeps_examples_apart(model, rows: list[dict]) -> None:
+    """Two of the job's examples, packed and apart, must give the same logits; a model whose attention ignores
+    the position-id boundaries (remote code with its own masks) would mix them, and the job fails before training."""
+    import torch
+
+    pair = rows[:2] if len(rows) > 1 else rows * 2
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        apart = [model(input_ids=torch.tensor([r["input_ids"]], device=device)).logits[0] for r in pair]
+        packed = packing_collator()(pair)
+        joined = model(input_ids=packed["input_ids"].to(device),
+                       position_ids=packed["position_ids"].to(device)).logits[0]
+    model.train(was_training)
+    if not torch.allclose(joined.float(), torch.cat(apart).float(), atol=1e-3, rtol=1e-3):
+        raise JobFailed("packing_unsupported", "packing was requested but this model's attention mixes packed "
+                                               "examples (it ignores the position-id boundaries); submit with "
+                                               "packing false")
+
+
+def shard_report(model) -> dict:
+    """Bytes of parameters in the whole model and on this rank (a DTensor holds its local shard only)."""
+    total = local = 0
+    for parameter in model.parameters():
+        size = parameter.element_size()
+        total += parameter.numel() * size
+        local += (parameter.to_local() if hasattr(parameter, "to_local") else parameter).numel() * size
+    return {"parameter_bytes": total, "local_parameter_bytes": local}
+
+
+def _report_sharding(model, store: RecordStore, job_id: str) -> None:
+    """An event with each rank's bytes of parameters, gathered on the main process."""
+    import torch.distributed as dist
+
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, shard_report(model))
+    if dist.get_rank() == 0:
+        total, local = per_rank[0]["parameter_bytes"], [r["local_parameter_bytes"] for r in per_rank]
+        events.emit(store.redis, job_id, f"Base sharded over {len(local)} processes (FSDP2): at most "
+                                         f"{max(local) / 2**20:.2f} of {total / 2**20:.2f} MiB of parameters on each",
+                    data={"strategy": "fsdp", "world_size": len(local), "parameter_bytes": total,
+                          "local_parameter_bytes": local})
+
+
+def _start_process_group(backend: str) -> None:
+    """The node's collective backend (gloo on cpu, nccl on cuda, xccl on xpu), started before the sharded load."""
+    import torch
+    import torch.distributed as dist
+
+    if backend != "cpu":
+        torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        dist.init_process_group(backend=devices.DISTRIBUTED_BACKEND[backend])
 
 
 class Collator:
@@ -292,11 +359,23 @@ def train(job: dict, store: RecordStore, settings: Settings, backend: str) -> di
         raise JobFailed("bf16_unsupported", f"bf16 was requested but this worker's {backend} device does not "
                                             "support it; submit with bf16 false or unset")
     use_bf16 = bf16 if job.get("bf16") is None else bool(job["bf16"])
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    # FSDP2: the base is sharded at load (transformers' DistributedConfig, which the HF Trainer drives without
+    # wrapping it again); the LoRA parameters, added after, stay replicated and the Trainer averages their
+    # gradients. Accelerate's own FSDP plugin is not used: its state keeps FSDP for accelerator devices only and
+    # falls back to DDP without a word on CPU (accelerate/state.py: MULTI_CPU is not in the FSDP branch's list).
+    sharded = job.get("strategy") == "fsdp" and world > 1
+    if sharded:
+        _start_process_group(backend)
+    elif job.get("strategy") == "fsdp" and rank == 0:
+        events.emit(store.redis, job_id, "strategy fsdp with one training process on this worker: nothing to "
+                                         "shard, the model is trained whole", level="warn",
+                    data={"strategy": "fsdp", "world_size": world})
     try:
         model, tokenizer = load_model_and_tokenizer(
             job["model"], settings, backend, attn_implementation=job.get("attn_implementation", "sdpa"),
             quantization=job.get("quantization", "none"), use_kernels=bool(job.get("use_kernels")),
-            for_training=True)
+            for_training=True, shard_over=world if sharded else 1)
     except ModelLoadError as exc:
         raise JobFailed(exc.code, str(exc)) from None
     # Gradient checkpointing trades compute for activation memory: on by default where memory is the limit (GPUs).
@@ -309,6 +388,8 @@ def train(job: dict, store: RecordStore, settings: Settings, backend: str) -> di
     else:
         model = get_peft_model(model, LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
                                                  target_modules=lora["target_modules"], task_type="CAUSAL_LM"))
+    if sharded:
+        _report_sharding(model, store, job_id)
 
     max_length = min(getattr(model.config, "max_position_embeddings", None) or 2048, settings.training_max_seq_len)
     dpo = (job.get("method") or {}).get("type") == "dpo"
@@ -326,9 +407,12 @@ def train(job: dict, store: RecordStore, settings: Settings, backend: str) -> di
         logging_steps=1, eval_strategy="steps" if eval_rows else "no", eval_steps=job["checkpoint_steps"],
         bf16=use_bf16, use_cpu=backend == "cpu", seed=job["seed"], data_seed=job["seed"], report_to=[],
         ddp_backend=devices.DISTRIBUTED_BACKEND[backend] if int(os.environ.get("WORLD_SIZE", 1)) > 1 else None,
-        disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0, save_only_model=False,
+        disable_tqdm=True, remove_unused_columns=False, dataloader_num_workers=0,
         include_num_input_tokens_seen="non_padding",  # tokens/s in the metrics events
         gradient_checkpointing=checkpointing, gradient_checkpointing_kwargs={"use_reentrant": False},
+        # The Trainer cannot checkpoint the optimizer of a base sharded at load: a resumed sharded job restarts
+        # AdamW's moments from its checkpoint's adapter weights (step and schedule go on).
+        save_only_model=sharded,
     )
     if checkpointing and int(os.environ.get("RANK", 0)) == 0:
         events.emit(store.redis, job_id, "Gradient checkpointing is on (activations recomputed in the backward pass)",
@@ -343,9 +427,11 @@ def train(job: dict, store: RecordStore, settings: Settings, backend: str) -> di
         trainer = DPOTrainer(model=model, args=args, train_dataset=train_rows, eval_dataset=eval_rows,
                              processing_class=tokenizer, callbacks=[callback])
     else:
+        if job.get("packing"):
+            check_packing_keeps_examples_apart(model, train_rows)
+        collator = packing_collator() if job.get("packing") else Collator(tokenizer.pad_token_id)
         trainer = job_trainer_class()(model=model, args=TrainingArguments(**common), train_dataset=train_rows,
-                                      eval_dataset=eval_rows, data_collator=Collator(tokenizer.pad_token_id),
-                                      callbacks=[callback])
+                                      eval_dataset=eval_rows, data_collator=collator, callbacks=[callback])
     trainer.train(resume_from_checkpoint=_resume_point(job, out))
     if callback.cancelled:
         return {"status": "cancelled"}
@@ -353,10 +439,11 @@ def train(job: dict, store: RecordStore, settings: Settings, backend: str) -> di
         return {"status": "paused"}
     if callback.preempted:
         return {"status": "preempted"}
-    if not trainer.is_world_process_zero():
-        return {"status": "succeeded"}  # the main process saves and reports
-    adapter = adapter_dir(settings.artifact_root, tenant, job_id)
-    model.save_pretrained(adapter, safe_serialization=True)
+    adapter, main_process = adapter_dir(settings.artifact_root, tenant, job_id), trainer.is_world_process_zero()
+    if main_process or sharded:  # a sharded model's state dict is gathered by a collective: every rank takes part
+        model.save_pretrained(adapter, safe_serialization=True, is_main_process=main_process)
+    if not main_process:
+        return {"status": "succeeded"}  # the main process writes and reports
     tokenizer.save_pretrained(adapter)
     trained_tokens = trainer.state.num_input_tokens_seen
     results_file = _write_results_file(store, settings, job, trainer)
@@ -493,6 +580,7 @@ def main(job_id: str) -> int:
     except JobFailed as exc:
         outcome = {"status": "failed", "error": {"code": exc.code, "message": str(exc), "param": None}}
     except Exception as exc:  # the job fails; the node and other jobs go on
+        traceback.print_exc()  # into the node's log: only the main process writes the outcome
         outcome = {"status": "failed", "error": {"code": "training_error",
                                                  "message": f"{type(exc).__name__}: {exc}", "param": None}}
     if int(os.environ.get("RANK", 0)) == 0:
