@@ -106,6 +106,8 @@ def run_plain(model_dir: Path, lines: list[dict], args, backend: str) -> dict:
         last: tuple[float, int] | None = None
 
         def on_log(self, a, state, control, logs=None, **kwargs):
+            if "loss" not in (logs or {}):  # the summary at the end of training is no step
+                return
             now, seen = time.monotonic(), int(state.num_input_tokens_seen or 0)
             if self.last:
                 clock.append((now - self.last[0], seen - self.last[1]))

@@ -35,3 +35,17 @@ def test_qlora_serving_benchmark_serves_the_adapter_both_ways(tmp_path):
     assert report["paths"] == {"4bit": "xpu-jobs-hf-sdpa-bnb-4bit", "unquantized": "xpu-jobs-native-torch"}
     assert report["greedy_served"]["all"]["sequences"] == 16
     assert report["logits_with_adapter"]["all"]["positions"] == 16 * 3
+
+
+def test_training_benchmark_runs_its_three_variants(tmp_path):
+    """A smoke run of bench/training.py (3 steps, 1 timed): the plain script, the job and the packed job all train
+    and count the same examples' tokens (packing drops padding only)."""
+    out = tmp_path / "training.json"
+    result = subprocess.run([sys.executable, "-m", "bench.training", "--model", "tiny", "--device", "cpu",
+                             "--steps", "3", "--warmup", "2", "--rounds", "1", "--examples", "24", "--longest", "64",
+                             "--out", str(out)], capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"plain", "job", "job_packing"}
+    assert all(r["steps_timed"] == 1 and r["tokens_per_second"] > 0 for r in results.values())
+    assert results["job"]["tokens_timed"] == results["job_packing"]["tokens_timed"]
