@@ -29,6 +29,12 @@ python3 -c "import torch, transformers, celery, redis, fastapi; print('torch', t
   | tee -a "$OUT/gpu.txt"
 git log -1 --format='%H %s' >> "$OUT/gpu.txt" 2>/dev/null || true
 
+# the tests that touch the device (SUITE_TESTS overrides)
+DEVICE_TESTS="tests/test_engine.py tests/test_engine_architectures.py tests/test_kv_cache.py tests/test_inference.py
+  tests/test_inference_api.py tests/test_streaming.py tests/test_structured_outputs.py tests/test_batches.py
+  tests/test_fine_tune_e2e.py tests/test_bad_input.py tests/test_launcher.py tests/test_reconciler.py
+  tests/test_worker_faults.py tests/test_training.py tests/test_qlora_serving.py tests/test_reclaimable.py"
+
 stage() {  # name, seconds, command...
   local name=$1 limit=$2
   shift 2
@@ -67,11 +73,8 @@ for s in "$@"; do
         --stack-env XPUJOBS_ENGINE_STREAM_INTERVAL_MS=0 --out "$OUT/h200-ttft-every-step.json" ;;
     suite)  # xpu-jobs doctor, then the tests that touch the device, with the suite's backend set to cuda
       stage doctor 120 python3 -m worker.cli doctor
-      stage suite ${SUITE_LIMIT:-420} env XPUJOBS_TEST_BACKEND=cuda python3 -m pytest -q -p no:cacheprovider -x --timeout 300 \
-        tests/test_engine.py tests/test_engine_architectures.py tests/test_kv_cache.py tests/test_inference.py \
-        tests/test_inference_api.py tests/test_streaming.py tests/test_structured_outputs.py tests/test_batches.py \
-        tests/test_fine_tune_e2e.py tests/test_bad_input.py tests/test_launcher.py tests/test_reconciler.py \
-        tests/test_worker_faults.py tests/test_training.py ;;
+      stage suite ${SUITE_LIMIT:-420} env XPUJOBS_TEST_BACKEND=cuda python3 -m pytest -q -p no:cacheprovider \
+        --timeout 300 ${SUITE_TESTS:-$DEVICE_TESTS} ;;
     priority)
       stage priority 150 python3 -m bench.generation --model qwen3-0.6b --device cuda --workloads long \
         --variants long:engine-live --live-requests 64 --live-interval 0.1 --out "$OUT/h200-priority.json" ;;
