@@ -81,10 +81,10 @@ class Settings(BaseSettings):
     # A request for another way evicts the least recently used idle one; while every one is serving, it is refused.
     model_variants_per_base: int = 2
     # The base an adapter trained on a bitsandbytes base (QLoRA) is served on when a request names no quantization:
-    # "quantized", the base it was trained on (the model's own forward: the engine's fallback path); "unquantized",
-    # the plain base (bf16 on a GPU, float32 on cpu) on the native path, batched with the other adapters of that
-    # base (docs/results/qlora-serving.md measures the difference).
-    qlora_serve_on: Literal["quantized", "unquantized"] = "quantized"
+    # "unquantized", the plain base (bf16 on a GPU, float32 on cpu) on the native path, batched with the other
+    # adapters of that base; "quantized", the base it was trained on (the model's own forward: the engine's slower
+    # fallback path). docs/results/qlora-serving.md measures the difference.
+    qlora_serve_on: Literal["quantized", "unquantized"] = "unquantized"
     # The share of device memory free after a model's weights are loaded that its generation engine takes for its
     # paged KV cache and workspace (the rest covers fragmentation and what else runs on the device).
     engine_memory_fraction: float = Field(0.85, gt=0.0, le=1.0)

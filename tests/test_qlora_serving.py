@@ -1,6 +1,6 @@
-"""A QLoRA adapter (trained on the 4-bit base) is served on that base by default (the model's own forward), and on
-the plain base through the native path when the request says quantization "none" or the worker's
-XPUJOBS_QLORA_SERVE_ON is "unquantized"; each answer equals a plain PeftModel on the base it names."""
+"""A QLoRA adapter (trained on the 4-bit base) is served on the plain base through the native path by default, and
+on the 4-bit base (the model's own forward) when the request says quantization "4bit" or the worker's
+XPUJOBS_QLORA_SERVE_ON is "quantized"; each answer equals a plain PeftModel on the base it names."""
 
 from pathlib import Path
 
@@ -58,18 +58,17 @@ def completion(client, model: str, prompt: list[int], **extra):
                                      extra_body={"ignore_eos": True, **extra})
 
 
-def test_a_qlora_model_is_served_on_its_4bit_base_unless_the_request_names_the_plain_one(client_a, qlora_job,
-                                                                                          stack_env):
+def test_a_qlora_model_is_served_natively_unless_the_request_names_its_4bit_base(client_a, qlora_job, stack_env):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(Path(stack_env["XPUJOBS_MODELS_ROOT"]) / "demo-tiny")
     prompt = chat_prompt(stack_env)
     model = qlora_job.fine_tuned_model
-    trained_on = completion(client_a, model, prompt)
+    trained_on = completion(client_a, model, prompt, quantization="4bit")
     assert trained_on.system_fingerprint == "xpu-jobs-hf-sdpa-bnb-4bit"  # the fallback path, what it trained on
     assert trained_on.choices[0].text == tokenizer.decode(peft_greedy(stack_env, qlora_job, prompt, "4bit"),
                                                           skip_special_tokens=True)
-    plain = completion(client_a, model, prompt, quantization="none")
+    plain = completion(client_a, model, prompt)
     assert plain.system_fingerprint.startswith("xpu-jobs-native-")
     expected = peft_greedy(stack_env, qlora_job, prompt, "none")
     assert plain.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
@@ -106,8 +105,8 @@ def test_qlora_serve_on_unquantized_serves_natively_beside_the_base(qlora_job, s
 
 
 def test_which_base_a_request_runs_on():
-    quantized, unquantized = Settings(_env_file=None), Settings(qlora_serve_on="unquantized", _env_file=None)
-    assert quantized.qlora_serve_on == "quantized"  # the default: the base the adapter was trained on
+    quantized, unquantized = Settings(qlora_serve_on="quantized", _env_file=None), Settings(_env_file=None)
+    assert unquantized.qlora_serve_on == "unquantized"  # the default: the plain base, on the native path
     assert base_quantization({}, "4bit", quantized) == "4bit"
     assert base_quantization({}, "8bit", quantized) == "8bit"
     assert base_quantization({}, "4bit", unquantized) == "none"
