@@ -83,17 +83,16 @@ def test_requests_waiting_together_are_all_pulled_claimed_and_answered(client_a,
     # Several requests on a live list at once (one push): a node takes as many as it has room for in one pull
     # (worker/serving/intake.py), and each must still be claimed, run and recorded.
     from contract import live
-    from contract.records import RecordStore, new_id, now
+    from contract.records import RecordStore, new_id
 
     store = RecordStore(redis_client)
     reply = client_a.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "Hi"}],
                                              max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
     template = store.get("chat", reply.id)
     ids = [new_id("chat") for _ in range(6)]
-    copied = {k: template[k] for k in ("tenant", "model", "base_model", "request", "queue")}
     for record_id in ids:
-        store.create("chat", {**copied, "id": record_id, "status": "queued", "created_at": now(),
-                              "published_at": now()}, track=True)
+        store.create("chat", {**{k: template[k] for k in ("tenant", "model", "base_model", "request", "queue")},
+                              "id": record_id, "status": "queued", "created_at": template["created_at"]}, track=True)
     redis_client.lpush(live.live_list(template["queue"]), *(f"chat:{i}" for i in ids))
 
     def finished() -> list[dict] | None:
