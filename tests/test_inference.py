@@ -77,31 +77,3 @@ def test_kernel_choices_are_honoured_and_named_in_the_response(client_a):
                                              extra_body={"attn_implementation": "eager"})
     assert eager.system_fingerprint == "xpu-jobs-hf-eager"
     assert eager.choices[0].message.content == native.choices[0].message.content  # the same model, greedy
-
-
-def test_requests_waiting_together_are_all_pulled_claimed_and_answered(client_a, redis_client):
-    # Several requests on a live list at once (one push): a node takes as many as it has room for in one pull
-    # (worker/serving/intake.py), and each must still be claimed, run and recorded.
-    from contract import live
-    from contract.records import RecordStore, new_id
-
-    store = RecordStore(redis_client)
-    reply = client_a.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "Hi"}],
-                                             max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
-    template = store.get("chat", reply.id)
-    ids = [new_id("chat") for _ in range(6)]
-    for record_id in ids:
-        store.create("chat", {**{k: template[k] for k in ("tenant", "model", "base_model", "request", "queue")},
-                              "id": record_id, "status": "queued", "created_at": template["created_at"]}, track=True)
-    redis_client.lpush(live.live_list(template["queue"]), *(f"chat:{i}" for i in ids))
-
-    def finished() -> list[dict] | None:
-        records = store.get_many("chat", ids)
-        return records if all(r["status"] == "completed" for r in records) else None
-
-    records = _wait(finished, 60, "the pushed requests to complete")
-    assert [r["result"]["completion_tokens"] for r in records] == [5] * 6
-    assert all(r["attempts"] == 1 and r["node"] for r in records)
-    # and none is left on a node's list of what it pulled and has not finished
-    _wait(lambda: not any(redis_client.lrange(live.taken_list(r["node"]), 0, -1) for r in records), 10,
-          "the taken lists to empty")

@@ -18,16 +18,6 @@ POLL_SECONDS = 0.05
 # The most requests one pull takes from the backend's list when many wait (a burst), so that the other nodes of
 # the backend still get their share of it.
 PULL_AT_ONCE = 16
-# Moves up to ARGV[1] items from KEYS[1]'s right to KEYS[2]'s left, stopping at the first missing one.
-_MOVE_UP_TO = """
-local moved = {}
-for _ = 1, tonumber(ARGV[1]) do
-  local item = redis.call('LMOVE', KEYS[1], KEYS[2], 'RIGHT', 'LEFT')
-  if not item then break end
-  moved[#moved + 1] = item
-end
-return moved
-"""
 
 
 class Intake:
@@ -40,7 +30,6 @@ class Intake:
         self.shared = live.live_list(backend_queue(node.backend))
         self.own = live.live_list(node_queue(node.name))
         self.taken = live.taken_list(node.name)
-        self._move_up_to = self.redis.register_script(_MOVE_UP_TO)
         self._stop = threading.Event()
 
     def start(self) -> None:
@@ -85,7 +74,10 @@ class Intake:
             slots += 1
         if not slots:
             return []
-        items = self._move_up_to(keys=[self.shared, self.taken], args=[slots])
+        pipe = self.redis.pipeline(transaction=False)
+        for _ in range(slots):
+            pipe.lmove(self.shared, self.taken, "RIGHT", "LEFT")
+        items = [item for item in pipe.execute() if item is not None]
         for _ in range(slots - len(items)):
             self.room.release()
         return items
