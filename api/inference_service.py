@@ -6,12 +6,14 @@ import json
 import time
 
 import redis.asyncio as aioredis
+from celery import Celery
 from starlette.requests import Request
 
 from api.catalog import resolve
 from api.errors import APIError
 from api.placement import route
-from contract import events, live
+from contract import events
+from contract.queues import publish
 from contract.records import RecordStore, new_id, now
 from contract.routing import inference_requirement
 from contract.settings import Settings
@@ -40,7 +42,7 @@ def _refuse_what_cannot_fit(kind: str, request: dict, settings: Settings) -> Non
                             f"{settings.engine_max_seq_len} tokens.", param=param, code="context_length_exceeded")
 
 
-def submit(kind: str, tenant: str, request: dict, *, settings: Settings, store: RecordStore,
+def submit(kind: str, tenant: str, request: dict, *, settings: Settings, store: RecordStore, celery: Celery,
            extra: dict | None = None) -> dict:
     """Create a queued record of an inference request and publish it. Nothing is created on a 4xx."""
     base, ref = resolve(request["model"], tenant, settings, store)
@@ -53,10 +55,8 @@ def submit(kind: str, tenant: str, request: dict, *, settings: Settings, store: 
         "adapter_step": ref.checkpoint_step if ref else None, "request": request, "queue": queue,
         **(extra or {}),
     }
-    # Recorded, tracked and pushed to the node's list in one transaction (one round trip), so published_at
-    # holds from the start.
-    record["published_at"] = now()
-    store.create(kind, record, track=True, then=lambda pipe: live.push(pipe, queue, kind, record["id"]))
+    store.create(kind, record, track=True)
+    publish(celery, store, kind, record["id"], queue)
     return record
 
 

@@ -73,10 +73,9 @@ class RecordStore:
         self._cas = client.register_script(_CAS)
 
     def create(self, kind: str, record: dict[str, Any], idempotency_key: str | None = None, *,
-               track: bool = False, then=None) -> tuple[dict, bool]:
+               track: bool = False) -> tuple[dict, bool]:
         """Store a new record; with an idempotency key already used, return the first record instead. With
-        track, the record is watched by the reconciler from the moment it exists (one transaction); then(pipe)
-        adds commands to that transaction (a live request's push to its queue).
+        track, the record is watched by the reconciler from the moment it exists (one transaction).
 
         Returns (record, created).
         """
@@ -93,8 +92,6 @@ class RecordStore:
         pipe.zadd(index_key(kind, tenant), {record["id"]: time.time()})
         if track:
             pipe.sadd(f"active:{kind}", record["id"])
-        if then is not None:
-            then(pipe)
         pipe.execute()
         return record, True
 
@@ -137,19 +134,6 @@ class RecordStore:
     def transition(self, kind: str, record_id: str, from_status: Iterable[str], fields: dict[str, Any]) -> bool:
         """Apply fields (normally a new status) only if the current status is one of from_status."""
         return bool(self._cas(keys=[_key(kind, record_id)], args=[*from_status, json.dumps(_encode(fields))]))
-
-    def transition_many(self, kind: str, changes: list[tuple[str, Iterable[str], dict[str, Any]]], *,
-                        before=None) -> list[bool]:
-        """transition for each (record id, from statuses, fields), in one round trip, in order; before(pipe) adds
-        commands that Redis runs ahead of them (a claim's lease)."""
-        pipe = self.redis.pipeline(transaction=False)
-        if before is not None:
-            before(pipe)
-        for record_id, from_status, fields in changes:
-            # EVAL rather than the registered script: a pipeline with scripts first asks Redis whether it has them
-            pipe.eval(_CAS, 1, _key(kind, record_id), *from_status, json.dumps(_encode(fields)))
-        replies = pipe.execute()
-        return [bool(r) for r in replies[len(replies) - len(changes):]]
 
     def transition_and_track(self, kind: str, record_id: str, from_status: Iterable[str], fields: dict[str, Any],
                              track: dict[str, list[str]]) -> bool:

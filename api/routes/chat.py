@@ -6,7 +6,7 @@ import json
 from fastapi import APIRouter, Request
 
 from api import streaming
-from api.deps import SettingsDep, StoreDep, TenantDep
+from api.deps import CeleryDep, SettingsDep, StoreDep, TenantDep
 from api.inference_service import raise_unless_completed, submit, wait_for
 from api.protocol.chat import ChatCompletionRequest
 from contract.inference_outputs import assistant_message, chat_completion, choices_of, usage
@@ -70,10 +70,11 @@ def chunks(body: ChatCompletionRequest, record: dict, store: RecordStore):
 
 @router.post("/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, tenant: TenantDep,
-                                 settings: SettingsDep, store: StoreDep):
+                                 settings: SettingsDep, store: StoreDep, celery: CeleryDep):
     # Redis calls off the event loop, so concurrent requests are accepted at once.
     record = await asyncio.to_thread(submit, "chat", tenant, body.normal(), settings=settings, store=store,
-                                     extra={"user": body.user, "safety_identifier": body.safety_identifier})
+                                     celery=celery, extra={"user": body.user,
+                                                           "safety_identifier": body.safety_identifier})
     if body.stream:
         return await streaming.respond(request, "chat", record, store, settings.request_timeout_seconds,
                                        chunks(body, record, store))

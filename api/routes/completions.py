@@ -6,7 +6,7 @@ import json
 from fastapi import APIRouter, Request
 
 from api import streaming
-from api.deps import SettingsDep, StoreDep, TenantDep
+from api.deps import CeleryDep, SettingsDep, StoreDep, TenantDep
 from api.inference_service import raise_unless_completed, submit, wait_for
 from api.protocol.completions import CompletionRequest
 from contract.inference_outputs import choices_of, completion, completion_logprobs, usage
@@ -57,9 +57,9 @@ def chunks(body: CompletionRequest, record: dict, store: RecordStore):
 
 @router.post("/completions")
 async def create_completion(body: CompletionRequest, request: Request, tenant: TenantDep, settings: SettingsDep,
-                            store: StoreDep):
+                            store: StoreDep, celery: CeleryDep):
     record = await asyncio.to_thread(submit, "completion", tenant, body.normal(), settings=settings, store=store,
-                                     extra={"user": body.user})
+                                     celery=celery, extra={"user": body.user})
     if body.stream:
         return await streaming.respond(request, "completion", record, store, settings.request_timeout_seconds,
                                        chunks(body, record, store))

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query, Request
 from sse_starlette import ServerSentEvent
 
 from api import streaming
-from api.deps import RedisDep, SettingsDep, StoreDep, TenantDep
+from api.deps import CeleryDep, RedisDep, SettingsDep, StoreDep, TenantDep
 from api.errors import APIError, invalid, not_found
 from api.inference_service import TERMINAL, submit, wait_for
 from api.protocol.responses import ResponseRequest
@@ -147,13 +147,13 @@ def response_events(record: dict, store: RecordStore):
 
 @router.post("")
 async def create_response(body: ResponseRequest, request: Request, tenant: TenantDep, settings: SettingsDep,
-                          store: StoreDep):
+                          store: StoreDep, celery: CeleryDep):
     earlier = await asyncio.to_thread(history, store, tenant, body.previous_response_id)
     job = {**body.normal_with(earlier), "instructions": body.instructions,
            "max_output_tokens": body.max_output_tokens}
     options = {"store": body.store, "previous_response_id": body.previous_response_id, "user": body.user,
                "safety_identifier": body.safety_identifier}
-    record = await asyncio.to_thread(submit, "response", tenant, job, settings=settings, store=store,
+    record = await asyncio.to_thread(submit, "response", tenant, job, settings=settings, store=store, celery=celery,
                                      extra={"background": body.background, "metadata": body.metadata or {},
                                             "options": options, "input_items": body.input_messages(),
                                             "conversation": earlier + body.input_messages()})

@@ -61,20 +61,15 @@ class Node:
     def reserve(self, kind: str, record_id: str) -> None:
         """A task of this record reached this node (to run now, after others, or at its countdown): if the node dies
         before claiming it, the message sits unacked in Redis, and the reconciler publishes the record again."""
-        self.reserve_many(kind, [record_id])
-
-    def reserve_many(self, kind: str, record_ids: list[str]) -> None:
-        """reserve for several records of one kind, in one round trip."""
-        self.store.transition_many(kind, [(r, ["queued"], {"reserved_by": self.instance}) for r in record_ids])
+        self.store.transition(kind, record_id, ["queued"], {"reserved_by": self.instance})
 
     def claim(self, kind: str, record_id: str, fields: dict) -> bool:
         """Take a queued record: the lease is held before the status says running, so the reconciler never
         sees a running record without one."""
         with self._lock:
             self.current_jobs.add(record_id)
-        # One round trip; Redis sets the lease before it changes the status.
-        if self.store.transition_many(kind, [(record_id, ["queued"], fields)], before=lambda pipe: events.refresh_lease(
-                pipe, record_id, self.name, self.settings.lease_seconds))[0]:
+        events.refresh_lease(self.redis, record_id, self.name, self.settings.lease_seconds)
+        if self.store.transition(kind, record_id, ["queued"], fields):
             return True
         self.job_finished(record_id)
         return False

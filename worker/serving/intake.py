@@ -15,9 +15,6 @@ from worker.serving.inference import run_request
 # How long one wait on the backend's list lasts before this node's own list is looked at again (requests routed
 # to this node alone are rare: only when not every node of the backend can hold the model).
 POLL_SECONDS = 0.05
-# The most requests one pull takes from the backend's list when many wait (a burst), so that the other nodes of
-# the backend still get their share of it.
-PULL_AT_ONCE = 16
 
 
 class Intake:
@@ -51,48 +48,20 @@ class Intake:
             try:
                 item = self.redis.lmove(self.own, self.taken, "RIGHT", "LEFT") or \
                     self.redis.blmove(self.shared, self.taken, POLL_SECONDS, "RIGHT", "LEFT")
-                # A burst: what else waits, as far as there is room, comes in the same round trip.
-                items = [item, *self._more()] if item is not None else []
             except Exception as exc:  # a Redis blip: try again shortly
                 print(f"xpu-jobs intake: {exc}", flush=True)
-                items = []
+                item = None
                 time.sleep(1)
-            if not items or self._stop.is_set():
-                for _ in items:  # stopping: leave them for another node
+            if item is None or self._stop.is_set():
+                if item is not None:  # stopping: leave it for another node
                     self.redis.lmove(self.taken, self.shared, "LEFT", "RIGHT")
                 self.room.release()
                 continue
-            self._reserve(items)
-            for item in items:
-                self.pool.submit(self._run, item)
-
-    def _more(self) -> list[str]:
-        """Up to the room left (at most PULL_AT_ONCE - 1) further requests from the backend's list, in one round
-        trip; the room of each one not there is given back."""
-        slots = 0
-        while slots < PULL_AT_ONCE - 1 and self.room.acquire(blocking=False):
-            slots += 1
-        if not slots:
-            return []
-        pipe = self.redis.pipeline(transaction=False)
-        for _ in range(slots):
-            pipe.lmove(self.shared, self.taken, "RIGHT", "LEFT")
-        items = [item for item in pipe.execute() if item is not None]
-        for _ in range(slots - len(items)):
-            self.room.release()
-        return items
-
-    def _reserve(self, items: list[str]) -> None:
-        """As a Celery task's arrival does: a node gone before claiming them leaves them to the reconciler."""
-        by_kind: dict[str, list[str]] = {}
-        for item in items:
-            kind, record_id = item.split(":", 1)
-            by_kind.setdefault(kind, []).append(record_id)
-        for kind, record_ids in by_kind.items():
-            try:
-                self.node.reserve_many(kind, record_ids)
+            try:  # as a Celery task's arrival does: a node gone before claiming it leaves it to the reconciler
+                self.node.reserve(*item.split(":", 1))
             except Exception as exc:
-                print(f"xpu-jobs intake: could not note the reservation of {kind} {record_ids}: {exc}", flush=True)
+                print(f"xpu-jobs intake: could not note the reservation of {item}: {exc}", flush=True)
+            self.pool.submit(self._run, item)
 
     def _run(self, item: str) -> None:
         try:
