@@ -52,10 +52,11 @@ def test_dashboard_pages_live_curve_cancel_and_tenancy(page, client_a, client_b,
     hidden = client_b.files.create(file=("tenant-b-only.jsonl", training_jsonl(2)), purpose="fine-tune")
     hidden_job = client_b.fine_tuning.jobs.create(model="demo-tiny", training_file=hidden.id,
                                                   hyperparameters={"n_epochs": 1})
-    upload = client_a.files.create(file=("dashboard.jsonl", training_jsonl(8)), purpose="fine-tune")
+    # long enough to be cancelled from the page however fast the machine trains (it is, well before its end)
+    upload = client_a.files.create(file=("dashboard.jsonl", training_jsonl(40)), purpose="fine-tune")
     job = client_a.fine_tuning.jobs.create(model="demo-tiny", training_file=upload.id, suffix="ui",
                                            hyperparameters={"n_epochs": 50, "batch_size": 1},
-                                           extra_body={"max_steps": 400})
+                                           extra_body={"max_steps": 2000})
     body = "\n".join(json.dumps({"custom_id": f"u{i}", "method": "POST", "url": "/v1/chat/completions",
                                  "body": {"model": "demo-tiny", "max_tokens": 3,
                                           "messages": [{"role": "user", "content": f"hi {i}"}]}}) for i in range(4))
