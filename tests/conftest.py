@@ -100,7 +100,8 @@ class WorkerNode:
 
     def __init__(self, env: dict[str, str], name: str, log_dir: Path):
         self.name = name
-        self.log = (log_dir / f"{name}.log").open("wb")
+        # appended: a node restarted under the same name keeps its predecessor's log (what a killed run did)
+        self.log = (log_dir / f"{name}.log").open("ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "worker", "--name", name], env=env,
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
