@@ -9,6 +9,8 @@ compare-and-set on the record, so two reconcilers can never requeue the same job
 retention sweep each period, as API processes do, so a deployment of workers without an API stays bounded too.
 """
 
+import base64
+import json
 import threading
 import time
 
@@ -22,6 +24,8 @@ from contract.registry import live_workers
 from contract.routing import NoCapableWorker, Requirement, choose_queue
 from contract.settings import Settings
 
+# kombu's Redis transport: messages delivered to a consumer and not yet acked, and when each was delivered.
+UNACKED, UNACKED_INDEX = "unacked", "unacked_index"
 RUNNING = {"ftjob": "running", "response": "in_progress", "chat": "in_progress", "completion": "in_progress",
            "chunk": "in_progress"}
 
@@ -64,6 +68,7 @@ class Reconciler:
         workers = live_workers(self.redis)
         live = {w["node"] for w in workers}
         instances = {w.get("instance") for w in workers}
+        stranded = self._fetched_long_ago()
         for kind in RUNNING:
             record_ids = sorted(self.store.tracked(kind))
             records = self.store.get_many(kind, record_ids)
@@ -81,11 +86,37 @@ class Reconciler:
                     # Fetched by a node that died before running it: its message is stranded in Redis' unacked.
                     if self.store.transition(kind, record_id, ["queued"], {"reserved_by": None}):
                         publish(self.celery, self.store, kind, record_id, record["queue"])
+                elif record["status"] == "queued" and not record.get("reserved_by") and record_id in stranded:
+                    # Fetched by a node that died before it could mark the record: taken over from unacked.
+                    if self._take_over(stranded[record_id]):
+                        publish(self.celery, self.store, kind, record_id, record["queue"])
                 elif record["status"] == "queued" and not record.get("published_at") \
                         and now() - int(record.get("created_at") or 0) > self.settings.lease_seconds:
                     # Its publisher died between writing the record and publishing the task.
                     publish(self.celery, self.store, kind, record_id, record["queue"])
         self._fail_abandoned_batches()
+
+    def _fetched_long_ago(self) -> dict[str, str]:
+        """{record id: delivery tag} of the task messages a node fetched (kombu keeps them in its unacked hash until
+        they are acked, when they start) more than a lease ago. A live node marks a record reserved_by as soon as it
+        fetches its message; one without the mark was fetched by a node that died first."""
+        tags = self.redis.zrangebyscore(UNACKED_INDEX, 0, time.time() - self.settings.lease_seconds)
+        found = {}
+        for tag, raw in zip(tags, self.redis.hmget(UNACKED, tags) if tags else []):
+            try:
+                args = json.loads(base64.b64decode(json.loads(raw)[0]["body"]))[0]
+            except (TypeError, ValueError, KeyError, IndexError):
+                continue
+            found.update({arg: tag for arg in args if isinstance(arg, str)})
+        return found
+
+    def _take_over(self, tag: str) -> bool:
+        """Remove a stranded message from unacked (it would come back after the visibility timeout); False when
+        another reconciler took it first. A second delivery would be harmless: a task claims its record by CAS."""
+        pipe = self.redis.pipeline()
+        pipe.zrem(UNACKED_INDEX, tag)
+        pipe.hdel(UNACKED, tag)
+        return bool(pipe.execute()[1])
 
     def _fail_abandoned_batches(self) -> None:
         """A batch still validating whose creator's lease lapsed: the API process died while it validated and
