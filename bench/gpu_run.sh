@@ -12,6 +12,8 @@
 #   ttft      live chats' time to first token through the service against the engine: idle, 64 at once, during a
 #             batch; ttft-every-step: the same with every engine step's tokens streamed (STREAM_INTERVAL_MS=0)
 #   suite     xpu-jobs doctor, then the tests that touch the device with XPUJOBS_TEST_BACKEND=cuda
+#   profile   the shipped engine's device kernel time per kind and decode step against wall time (bench/profile_decode.py)
+#   training  fine-tuning throughput against a plain Trainer + PEFT script, with and without packing (bench/training.py)
 #   priority  live requests' time to first token while a batch runs in the same engine, at live and at batch
 #             priority (bench/generation.py's engine-live variant on the long workload)
 # Usage: bash bench/gpu_run.sh service fallback
@@ -75,6 +77,12 @@ for s in "$@"; do
       stage doctor 120 python3 -m worker.cli doctor
       stage suite ${SUITE_LIMIT:-420} env XPUJOBS_TEST_BACKEND=cuda python3 -m pytest -q -p no:cacheprovider \
         --timeout 300 ${SUITE_TESTS:-$DEVICE_TESTS} ;;
+    profile)  # device kernel time per kind and step against wall time, the base and 4 mixed LoRA adapters
+      stage profile 240 python3 -m bench.profile_decode --model qwen3-0.6b --device cuda --adapters 0,4 \
+        --out "$OUT/h200-profile.json" ;;
+    training)  # a job's training against a plain Trainer + PEFT script, with and without packing
+      stage training 330 python3 -m bench.training --model qwen3-0.6b --device cuda --steps 40 --warmup 5 \
+        --rounds 3 --batch-size 8 --examples 2000 --longest 2048 --out "$OUT/h200-training.json" ;;
     priority)
       stage priority 150 python3 -m bench.generation --model qwen3-0.6b --device cuda --workloads long \
         --variants long:engine-live --live-requests 64 --live-interval 0.1 --out "$OUT/h200-priority.json" ;;

@@ -244,3 +244,10 @@ def test_packed_examples_train_at_the_loss_of_the_padded_batch(tmp_path, attn_im
     model.config.use_cache = True  # as a model whose attention ignores the position-id boundaries
     with pytest.raises(JobFailed, match="packing"):
         check_packing_keeps_examples_apart(model, rows)
+    # bf16 weights (a GPU job): packed and apart round differently, which must not read as mixing (on an H200 a
+    # fixed 1e-3 tolerance refused every packed job), while mixing is still refused
+    model.to(torch.bfloat16)
+    with pytest.raises(JobFailed, match="packing"):
+        check_packing_keeps_examples_apart(model, rows)
+    model.config.use_cache = False
+    check_packing_keeps_examples_apart(model, rows)

@@ -130,7 +130,11 @@ def check_packing_keeps_examples_apart(model, rows: list[dict]) -> None:
         joined = model(input_ids=packed["input_ids"].to(device),
                        position_ids=packed["position_ids"].to(device)).logits[0]
     model.train(was_training)
-    if not torch.allclose(joined.float(), torch.cat(apart).float(), atol=1e-3, rtol=1e-3):
+    # Relative to the logits' scale: bf16 weights on a GPU round packed and apart rows differently (~1e-2), while
+    # attending across examples changes the second one's logits by far more.
+    want = torch.cat(apart).float()
+    err = (joined.float() - want).abs().mean() / want.abs().mean().clamp_min(1e-6)
+    if err > (1e-3 if joined.dtype == torch.float32 else 3e-2):
         raise JobFailed("packing_unsupported", "packing was requested but this model's attention mixes packed "
                                                "examples (it ignores the position-id boundaries); submit with "
                                                "packing false")
