@@ -528,3 +528,22 @@ def test_requests_with_the_same_prompt_start_share_its_blocks(model, tokenizer):
         assert eng.stats["prefill_tokens"] == sum(len(p) for p in ps) - 5 * 32
     for r, ref in zip(first + rest, refs):
         assert r.output_ids == ref
+
+
+def test_fused_projections_view_the_models_own_weights(tiny_dir, tokenizer):
+    """q/k/v and gate/up run as one matmul each: the modules' weights become row views of the fused tensor (same
+    values, no second copy), and a second engine on the same base views them again instead of copying."""
+    model = load(tiny_dir)
+    att, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    before = [p.detach().clone() for p in (att.q_proj.weight, att.k_proj.weight, att.v_proj.weight)]
+    with Engine(model, tokenizer, device="cpu", native=True, memory_budget_bytes=1 << 28, max_batch_size=4):
+        pass
+    ws = [att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]
+    assert all(torch.equal(a, b) for a, b in zip(ws, before))
+    assert len({w.untyped_storage().data_ptr() for w in ws}) == 1
+    assert mlp.gate_proj.weight.untyped_storage().data_ptr() == mlp.up_proj.weight.untyped_storage().data_ptr()
+    ptrs = [w.data_ptr() for w in ws]
+    with Engine(model, tokenizer, device="cpu", native=True, memory_budget_bytes=1 << 28, max_batch_size=4) as eng:
+        got = eng.generate([greedy(p, i) for i, p in enumerate(prompts(2))])
+    assert [w.data_ptr() for w in ws] == ptrs
+    assert [r.output_ids for r in got] == [reference(model, p) for p in prompts(2)]

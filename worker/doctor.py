@@ -186,11 +186,11 @@ def check_kernels(backend: str) -> Check:
 # and these are the ones a job runs.
 TRITON_PROBE = """
 import json, torch, triton
-from worker.engine.triton_kernels import silu_mul
-g = torch.randn(4096, device=%r)
-u = torch.randn_like(g)
-out = silu_mul(g, u)
-print(json.dumps({"triton": triton.__version__, "equal": bool(torch.allclose(out, torch.nn.functional.silu(g) * u))}))
+from worker.engine.triton_kernels import silu_mul_rows
+gu = torch.randn(8, 2048, device=%r)
+out = silu_mul_rows(gu)
+want = torch.nn.functional.silu(gu[:, :1024]) * gu[:, 1024:]
+print(json.dumps({"triton": triton.__version__, "equal": bool(torch.allclose(out, want))}))
 """
 
 

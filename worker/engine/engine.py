@@ -309,7 +309,9 @@ class Engine(NativeRunner):
         sample = SAMPLE_CHUNK * n.vocab * 48
         lora = 0
         if n.lora_rank:
-            lora = 2 * n.lora_rank * (n.hidden * 4 + n.intermediate * 3 + n.hq * n.head_dim * 2) * el * n.n_layers
+            qkv = (n.hq + 2 * n.hkv) * n.head_dim  # A per part of a fused projection, B block-diagonal
+            lora = n.lora_rank * (n.hidden * 6 + n.hq * n.head_dim + n.intermediate + qkv * 3 + n.hidden
+                                  + n.intermediate * 4 + n.hidden) * el * n.n_layers
             lora += slots * n.lora_rank * el
         return logits + decode + prefill + sample + lora
 

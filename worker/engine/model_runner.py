@@ -1,16 +1,17 @@
 """The native path's model runner: the decoder of Llama-style models (llama, mistral, qwen2, qwen3, phi3, gemma)
 written here against the model's own weight tensors, writing and reading the engine's KV cache. One decoder covers
-the families: Phi-3's fused qkv_proj / gate_up_proj are read as row views of their weights; Gemma's (1 + w) norms
-are folded into the norm weights once, its embedding scale multiplies the embedded tokens, and the MLP calls the
-model's own activation (GELU for Gemma; the fused Triton kernels cover SiLU only, so other activations run on
-torch ops).
+the families, with four matmuls a layer: q/k/v and gate/up fused by rows (Phi-3's qkv_proj / gate_up_proj as they
+are; other models' projections become row views of one fused weight, so memory is not doubled), o and down.
+Gemma's (1 + w) norms are folded into the norm weights once, its embedding scale multiplies the embedded tokens,
+and the MLP calls the model's own activation (GELU for Gemma; the fused Triton kernels cover SiLU only, so other
+activations run on torch ops).
 
 On cuda/xpu with triton (kernels="auto"/"triton"), triton_kernels.py supplies decode attention that reads only each
-row's own cache length and fused RMSNorm / q-k norm + RoPE / SiLU*up kernels, and prefill packs prompts end to end
-(torch's flash kernel, no padding between prompts); on cpu (and with kernels="torch") plain torch ops reproduce
-transformers' arithmetic exactly. LoRA adapters (PEFT) are applied per row inside one batch: every adapter's A and
-B matrices are stacked per projection and a per-row mask selects the adapter's rank columns, i.e.
-delta = ((x @ A_all^T) * mask) @ (scaling * B_all)^T.
+row's own cache length and fused RMSNorm / q-k norm + RoPE + cache write / SiLU*up kernels, and prefill packs
+prompts end to end (torch's flash kernel, no padding between prompts); on cpu (and with kernels="torch") plain torch
+ops reproduce transformers' arithmetic. LoRA adapters (PEFT) are applied per row inside one batch: every adapter's
+A and B matrices are stacked per fused projection and a per-row mask selects the adapter's rank columns, i.e.
+delta = ((x @ A_all^T) * mask) @ (scaling * B_all)^T, added in the second matmul.
 """
 
 from __future__ import annotations
@@ -66,11 +67,34 @@ def norm_offset(norm) -> float | None:
     return None
 
 
-def _split_rows(linear, sizes: list[int]) -> list[tuple]:
-    """Row views of a fused projection's weight (and bias), one per part: q, k, v or gate, up."""
-    w, b = linear.weight, linear.bias
-    ws, bs = w.split(sizes), (b.split(sizes) if b is not None else [None] * len(sizes))
-    return [(wi, bi, None) for wi, bi in zip(ws, bs)]
+def _base(linear):
+    return getattr(linear, "base_layer", linear)
+
+
+def _fuse_rows(linears: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for projections that read the same input (q, k, v or gate, up), so each is one matmul
+    a step. The modules' weights become row views of the fused tensor, so memory is not doubled, and an engine
+    built later on the same base (or after update_model) finds them consecutive and views them again."""
+    ws = [_base(m).weight for m in linears]
+    w0 = ws[0]
+    rows = sum(w.shape[0] for w in ws)
+    consecutive = all(w.is_contiguous() and w.untyped_storage().data_ptr() == w0.untyped_storage().data_ptr()
+                      for w in ws) and all(b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
+                                           for a, b in zip(ws, ws[1:]))
+    if consecutive:
+        fused = torch.as_strided(w0.detach(), (rows, w0.shape[1]), (w0.shape[1], 1))
+    else:
+        fused = torch.cat([w.detach() for w in ws])
+        at = 0
+        for m, w in zip(linears, ws):
+            _base(m).weight.data = fused[at:at + w.shape[0]]
+            at += w.shape[0]
+    biases = [_base(m).bias for m in linears]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b.detach() if b is not None else torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
+                          for b, w in zip(biases, ws)])
+    return fused, bias
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -99,8 +123,19 @@ class TorchOps:
         c, s = cos[pos][:, None, :], sin[pos][:, None, :]
         return t * c + _rotate_half(t) * s
 
-    def silu_mul(self, g, u):
-        return self.act(g) * u
+    def silu_mul_rows(self, gu):
+        half = gu.shape[-1] // 2
+        return self.act(gu[:, :half]) * gu[:, half:]
+
+    def qkv_rope_store(self, qkv, q_norm, k_norm, cos, sin, pos, eps, kv_index, k_cache, v_cache, hq, want_kv):
+        T = qkv.shape[0]
+        _, _, hkv, d = k_cache.shape
+        q = self.norm_rope(qkv[:, :hq * d].view(T, hq, d), q_norm, cos, sin, pos, eps)
+        k = self.norm_rope(qkv[:, hq * d:(hq + hkv) * d].view(T, hkv, d), k_norm, cos, sin, pos, eps)
+        v = qkv[:, (hq + hkv) * d:].view(T, hkv, d)
+        k_cache.view(-1, hkv, d).index_copy_(0, kv_index, k)
+        v_cache.view(-1, hkv, d).index_copy_(0, kv_index, v)
+        return (q, k, v) if want_kv else (q, None, None)
 
 
 def packed_attention(device: torch.device, dtype: torch.dtype, hq: int, hkv: int, head_dim: int,
@@ -132,7 +167,9 @@ def packed_attention(device: torch.device, dtype: torch.dtype, hq: int, hkv: int
 
 
 class _Layer:
-    __slots__ = ("ln1", "ln2", "q_norm", "k_norm", "lin")
+    """One decoder layer's norms and its four matmuls: qkv and gate_up fused by rows, o and down; each as
+    (weight, bias, LoRA (A, B) or None)."""
+    __slots__ = ("ln1", "ln2", "q_norm", "k_norm", "qkv", "o", "gate_up", "down")
 
 
 class NativeModel:
@@ -191,39 +228,38 @@ class NativeModel:
             att, mlp = layer.self_attn, layer.mlp
             L.q_norm = self._fold(att.q_norm.weight) if hasattr(att, "q_norm") else None
             L.k_norm = self._fold(att.k_norm.weight) if hasattr(att, "k_norm") else None
-            L.lin = {}
-            if hasattr(att, "qkv_proj"):  # Phi-3: fused projections (LoRA on them takes the fallback path)
-                q, kv = self.hq * self.head_dim, self.hkv * self.head_dim
-                parts = _split_rows(getattr(att.qkv_proj, "base_layer", att.qkv_proj), [q, kv, kv])
-                L.lin.update(zip(("q_proj", "k_proj", "v_proj"), parts))
-            if hasattr(mlp, "gate_up_proj"):
-                parts = _split_rows(getattr(mlp.gate_up_proj, "base_layer", mlp.gate_up_proj), [self.intermediate] * 2)
-                L.lin.update(zip(("gate_proj", "up_proj"), parts))
-            for pname in _PROJECTIONS:
-                if pname in L.lin:
-                    continue
-                mod = getattr(att if pname in _PROJECTIONS[:4] else mlp, pname)
-                baselayer = getattr(mod, "base_layer", mod)
-                lora = None
-                if self.lora_rank and hasattr(mod, "lora_A"):
-                    lora = self._stack_lora(mod, baselayer, device)
-                L.lin[pname] = (baselayer.weight, baselayer.bias, lora)
+            # Phi-3's fused projections are used as they are (LoRA on them takes the fallback path)
+            qkv = [att.qkv_proj] if hasattr(att, "qkv_proj") else [att.q_proj, att.k_proj, att.v_proj]
+            gate_up = [mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj") else [mlp.gate_proj, mlp.up_proj]
+            L.qkv = (*_fuse_rows(qkv), self._stack_lora(qkv, device))
+            L.gate_up = (*_fuse_rows(gate_up), self._stack_lora(gate_up, device))
+            L.o = (_base(att.o_proj).weight, _base(att.o_proj).bias, self._stack_lora([att.o_proj], device))
+            L.down = (_base(mlp.down_proj).weight, _base(mlp.down_proj).bias, self._stack_lora([mlp.down_proj], device))
             self.layers.append(L)
 
-    def _stack_lora(self, mod, baselayer, device):
-        out_f, in_f = baselayer.weight.shape
-        A = torch.zeros(self.lora_rank, in_f, dtype=self.dtype, device=device)
-        B = torch.zeros(out_f, self.lora_rank, dtype=self.dtype, device=device)
+    def _stack_lora(self, mods: list, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The LoRA matrices of projections sharing one input, for every adapter: A [parts * R, in] (part i's
+        adapters in rows i*R + their rank columns) and B [sum of outputs, parts * R], block-diagonal by part and
+        scaled, so that delta = ((x @ A^T) * mask repeated per part) @ B^T is one matmul each way."""
+        if not self.lora_rank or not any(hasattr(m, "lora_A") for m in mods):
+            return None
+        R = self.lora_rank
+        outs = [_base(m).weight.shape[0] for m in mods]
+        A = torch.zeros(len(mods) * R, _base(mods[0]).weight.shape[1], dtype=self.dtype, device=device)
+        B = torch.zeros(sum(outs), len(mods) * R, dtype=self.dtype, device=device)
         any_adapter = False
-        for a, (c0, _) in self.adapter_cols.items():
-            if a not in mod.lora_A:
-                continue
-            wa = mod.lora_A[a].weight
-            wb = mod.lora_B[a].weight
-            r = wa.shape[0]
-            A[c0:c0 + r] = wa.to(device=device, dtype=self.dtype)
-            B[:, c0:c0 + r] = (wb.to(device=device, dtype=torch.float32) * float(mod.scaling[a])).to(self.dtype)
-            any_adapter = True
+        row = 0
+        for i, (mod, out) in enumerate(zip(mods, outs)):
+            for a, (c0, _) in self.adapter_cols.items():
+                if a not in getattr(mod, "lora_A", {}):
+                    continue
+                wa, wb = mod.lora_A[a].weight, mod.lora_B[a].weight
+                c, r = i * R + c0, wa.shape[0]
+                A[c:c + r] = wa.to(device=device, dtype=self.dtype)
+                B[row:row + out, c:c + r] = (wb.to(device=device, dtype=torch.float32)
+                                             * float(mod.scaling[a])).to(self.dtype)
+                any_adapter = True
+            row += out
         return (A, B) if any_adapter else None
 
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
@@ -306,36 +342,34 @@ class NativeRunner:
     from the host's block tables, decode's from the device copy (`block_tables`, one row per decode row, rows that
     are not decoding all pointing at the scratch block)."""
 
-    def _lin(self, x, spec, mask):
+    @staticmethod
+    def _lin(x, spec, mask):
         w, b, lora = spec
         y = F.linear(x, w, b)
-        if lora is not None:
-            y = y + F.linear(F.linear(x, lora[0]) * mask, lora[1])
+        if lora is not None:  # the adapter's delta added in the second matmul's epilogue
+            y = torch.addmm(y, F.linear(x, lora[0]) * mask, lora[1].t())
         return y
 
-    def _layers(self, x: torch.Tensor, mask, pos: torch.Tensor, kv_index: torch.Tensor,
-                attend: Callable) -> torch.Tensor:
+    def _layers(self, x: torch.Tensor, mask, pos: torch.Tensor, kv_index: torch.Tensor, attend: Callable,
+                want_kv: bool = True) -> torch.Tensor:
         """The decoder layers over token rows x [T, hidden] at positions pos [T]; each layer's keys and values go
-        into the cache at kv_index [T], and attend(layer_index, q, k, v) ([T, heads, head_dim] each) returns the
-        attention output [T, hq * head_dim]. Returns the final-normed hidden states [T, hidden]."""
+        into the cache at kv_index [T], and attend(layer_index, q, k, v) ([T, heads, head_dim] each; k and v None
+        unless want_kv) returns the attention output [T, hq * head_dim]. Returns the final-normed hidden states
+        [T, hidden]."""
         nat, ops = self.nat, self._ops
-        d = nat.head_dim
-        rows = x.shape[0]
         h = ops.rms_norm(x, nat.layers[0].ln1, nat.eps)
+        # the row mask of the adapters' rank columns, once per part of a fused projection
+        m2, m3 = (mask.repeat(1, 2), mask.repeat(1, 3)) if mask is not None else (None, None)
         n_layers = len(nat.layers)
         for li, layer in enumerate(nat.layers):
-            q = ops.norm_rope(self._lin(h, layer.lin["q_proj"], mask).view(rows, nat.hq, d), layer.q_norm,
-                              self.cos, self.sin, pos, nat.eps)
-            k = ops.norm_rope(self._lin(h, layer.lin["k_proj"], mask).view(rows, nat.hkv, d), layer.k_norm,
-                              self.cos, self.sin, pos, nat.eps)
-            v = self._lin(h, layer.lin["v_proj"], mask).view(rows, nat.hkv, d)
-            self.cache[li, 0].view(-1, nat.hkv, d).index_copy_(0, kv_index, k)
-            self.cache[li, 1].view(-1, nat.hkv, d).index_copy_(0, kv_index, v)
+            q, k, v = ops.qkv_rope_store(self._lin(h, layer.qkv, m3), layer.q_norm, layer.k_norm, self.cos,
+                                         self.sin, pos, nat.eps, kv_index, self.cache[li, 0], self.cache[li, 1],
+                                         nat.hq, want_kv)
             a = attend(li, q, k, v)
-            x, h = ops.rms_norm(x, layer.ln2, nat.eps, residual=self._lin(a, layer.lin["o_proj"], mask))
-            g = ops.silu_mul(self._lin(h, layer.lin["gate_proj"], mask), self._lin(h, layer.lin["up_proj"], mask))
+            x, h = ops.rms_norm(x, layer.ln2, nat.eps, residual=self._lin(a, layer.o, mask))
+            g = ops.silu_mul_rows(self._lin(h, layer.gate_up, m2))
             w_next = nat.layers[li + 1].ln1 if li + 1 < n_layers else nat.norm
-            x, h = ops.rms_norm(x, w_next, nat.eps, residual=self._lin(g, layer.lin["down_proj"], mask))
+            x, h = ops.rms_norm(x, w_next, nat.eps, residual=self._lin(g, layer.down, mask))
         return h
 
     def _gather_kv(self, li: int, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -487,7 +521,7 @@ class NativeRunner:
                 p = torch.softmax(s * nat.scaling + addmask, dim=-1, dtype=torch.float32).to(q.dtype)
                 return torch.bmm(p.view(B * hkv, G, Lt), V.reshape(B * hkv, Lt, d)).reshape(B, hq * d)
 
-        h = self._layers(nat.embed_ids(self.ids_buf[:B]), mask, pos, kv_index, attend)
+        h = self._layers(nat.embed_ids(self.ids_buf[:B]), mask, pos, kv_index, attend, want_kv=False)
         out = self.logits_buf[:B]
         if nat.lm_bias is None:
             torch.mm(h, nat.lm_head.t(), out=out)

@@ -128,25 +128,19 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tenso
 
 
 @triton.jit
-def _norm_rope_kernel(T, W, COS, SIN, POS, O, H, s_tt, s_th, s_c, s_ot, s_oh, eps, HALF: tl.constexpr,
-                      HAS_NORM: tl.constexpr):
-    pid = tl.program_id(0)
-    t = pid // H
-    h = pid % H
-    c = tl.arange(0, HALF)
-    base = T + t * s_tt + h * s_th
-    x1 = tl.load(base + c)
+def _norm_rope(x1, x2, W, COS, SIN, p, s_c, eps, c, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    """One head's halves (float32, rounded from dtype dt) -> per-head RMSNorm (Qwen3's q_norm / k_norm) and RoPE,
+    with transformers' roundings to the model dtype; returns the two output halves in that dtype."""
     dt = x1.dtype
     x1 = x1.to(tl.float32)
-    x2 = tl.load(base + HALF + c).to(tl.float32)
-    if HAS_NORM:  # Qwen3's per-head q_norm / k_norm
+    x2 = x2.to(tl.float32)
+    if HAS_NORM:
         var = (tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF)
         r = tl.rsqrt(var + eps)
         w1 = tl.load(W + c).to(tl.float32)
         w2 = tl.load(W + HALF + c).to(tl.float32)
         x1 = ((x1 * r).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
         x2 = ((x2 * r).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
-    p = tl.load(POS + t)
     cos1 = tl.load(COS + p * s_c + c).to(tl.float32)
     cos2 = tl.load(COS + p * s_c + HALF + c).to(tl.float32)
     sin1 = tl.load(SIN + p * s_c + c).to(tl.float32)
@@ -154,43 +148,95 @@ def _norm_rope_kernel(T, W, COS, SIN, POS, O, H, s_tt, s_th, s_c, s_ot, s_oh, ep
     # x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1)
     o1 = ((x1 * cos1).to(dt).to(tl.float32) + (-x2 * sin1).to(dt).to(tl.float32)).to(dt)
     o2 = ((x2 * cos2).to(dt).to(tl.float32) + (x1 * sin2).to(dt).to(tl.float32)).to(dt)
-    obase = O + t * s_ot + h * s_oh
-    tl.store(obase + c, o1)
-    tl.store(obase + HALF + c, o2)
-
-
-def norm_rope(t: torch.Tensor, w: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-              eps: float) -> torch.Tensor:
-    """t [T, H, D] (token-major heads) -> per-head RMSNorm (when w is given) then rotary embedding at positions
-    pos [T], from the cos/sin tables [max_len, D]. Returns a new [T, H, D] tensor."""
-    T, H, D = t.shape
-    assert t.stride(-1) == 1 and cos.stride(-1) == 1
-    out = torch.empty(T, H, D, dtype=t.dtype, device=t.device)
-    _norm_rope_kernel[(T * H,)](t, w if w is not None else t, cos, sin, pos, out, H, t.stride(0), t.stride(1),
-                                cos.stride(0), out.stride(0), out.stride(1), eps, HALF=D // 2,
-                                HAS_NORM=w is not None, num_warps=1)
-    return out
+    return o1, o2
 
 
 @triton.jit
-def _silu_mul_kernel(G, U, O, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+def _qkv_kernel(QKV, QW, KW, COS, SIN, POS, IDX, QO, KO, VO, KC, VC, s_t, s_c, s_qo, s_ko, s_kc, eps,
+                HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HAS_QN: tl.constexpr,
+                HAS_KN: tl.constexpr, WANT_KV: tl.constexpr):
+    """One program per (token, head of q, k or v) of a fused qkv row: q heads are normed and rotated into QO, k
+    heads normed, rotated and written into the cache at the token's flat index, v heads copied there; with WANT_KV
+    the k and v heads also go to KO / VO (prefill's attention reads them)."""
+    pid = tl.program_id(0)
+    t = pid // (HQ + 2 * HKV)
+    h = pid % (HQ + 2 * HKV)
+    c = tl.arange(0, HALF)
+    base = QKV + t * s_t + h * (2 * HALF)
+    x1 = tl.load(base + c)
+    x2 = tl.load(base + HALF + c)
+    p = tl.load(POS + t)
+    if h < HQ:
+        o1, o2 = _norm_rope(x1, x2, QW, COS, SIN, p, s_c, eps, c, HALF, HAS_QN)
+        out = QO + t * s_qo + h * (2 * HALF)
+        tl.store(out + c, o1)
+        tl.store(out + HALF + c, o2)
+    else:
+        slot = tl.load(IDX + t).to(tl.int64)
+        if h < HQ + HKV:
+            hk = h - HQ
+            o1, o2 = _norm_rope(x1, x2, KW, COS, SIN, p, s_c, eps, c, HALF, HAS_KN)
+            dst = KC + slot * s_kc + hk * (2 * HALF)
+            tl.store(dst + c, o1)
+            tl.store(dst + HALF + c, o2)
+            if WANT_KV:
+                ko = KO + t * s_ko + hk * (2 * HALF)
+                tl.store(ko + c, o1)
+                tl.store(ko + HALF + c, o2)
+        else:
+            hv = h - HQ - HKV
+            dst = VC + slot * s_kc + hv * (2 * HALF)
+            tl.store(dst + c, x1)
+            tl.store(dst + HALF + c, x2)
+            if WANT_KV:
+                vo = VO + t * s_ko + hv * (2 * HALF)
+                tl.store(vo + c, x1)
+                tl.store(vo + HALF + c, x2)
+
+
+def qkv_rope_store(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, cos: torch.Tensor,
+                   sin: torch.Tensor, pos: torch.Tensor, eps: float, kv_index: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, hq: int, want_kv: bool):
+    """A fused projection's rows qkv [T, (hq + 2 hkv) * D] -> q [T, hq, D] normed (when q_norm is given) and
+    rotated at positions pos [T]; k (likewise) and v written into k_cache / v_cache [blocks, block_size, hkv, D] at
+    flat indices kv_index [T]. Returns (q, k, v), k and v [T, hkv, D] only when want_kv (else None): one launch for
+    what transformers does in some 20 ops and the engine's cache writes in two more."""
+    T = qkv.shape[0]
+    _, _, hkv, D = k_cache.shape
+    assert qkv.stride(-1) == 1 and cos.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    q = torch.empty(T, hq, D, dtype=qkv.dtype, device=qkv.device)
+    k = v = None
+    if want_kv:
+        k = torch.empty(T, hkv, D, dtype=qkv.dtype, device=qkv.device)
+        v = torch.empty_like(k)
+    _qkv_kernel[(T * (hq + 2 * hkv),)](
+        qkv, q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv, cos, sin, pos, kv_index,
+        q, k if want_kv else q, v if want_kv else q, k_cache, v_cache, qkv.stride(0), cos.stride(0), q.stride(0),
+        hkv * D, hkv * D, eps, HQ=hq, HKV=hkv, HALF=D // 2, HAS_QN=q_norm is not None, HAS_KN=k_norm is not None,
+        WANT_KV=want_kv, num_warps=1)
+    return q, k, v
+
+
+@triton.jit
+def _silu_mul_kernel(GU, O, s_g, s_o, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    g = tl.load(G + offs, mask=m, other=0.0)
+    g = tl.load(GU + row * s_g + offs, mask=m, other=0.0)
     dt = g.dtype
     gf = g.to(tl.float32)
     s = (gf * tl.sigmoid(gf)).to(dt).to(tl.float32)
-    u = tl.load(U + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(O + offs, (s * u).to(dt), mask=m)
+    u = tl.load(GU + row * s_g + n + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(O + row * s_o + offs, (s * u).to(dt), mask=m)
 
 
-def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """silu(g) * u, both rounded to the model dtype as transformers does (act_fn(gate) * up)."""
-    g = g.contiguous()
-    u = u.contiguous()
-    out = torch.empty_like(g)
-    n = g.numel()
-    _silu_mul_kernel[(triton.cdiv(n, 1024),)](g, u, out, n, BLOCK=1024, num_warps=4)
+def silu_mul_rows(gu: torch.Tensor) -> torch.Tensor:
+    """gu [T, 2N], a fused gate_up projection's rows -> silu(gate) * up [T, N], rounded to the model dtype as
+    transformers does (act_fn(gate) * up)."""
+    T, n = gu.shape[0], gu.shape[1] // 2
+    assert gu.stride(-1) == 1
+    out = torch.empty(T, n, dtype=gu.dtype, device=gu.device)
+    _silu_mul_kernel[(T, triton.cdiv(n, 1024))](gu, out, gu.stride(0), out.stride(0), n, BLOCK=1024, num_warps=4)
     return out
 
 
