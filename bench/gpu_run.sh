@@ -12,6 +12,7 @@
 #   ttft      live chats' time to first token through the service against the engine: idle, 64 at once, during a
 #             batch; ttft-every-step: the same with every engine step's tokens streamed (STREAM_INTERVAL_MS=0)
 #   suite     xpu-jobs doctor, then the tests that touch the device with XPUJOBS_TEST_BACKEND=cuda
+#   engine-check  bench.generation --check, then the engine (base and 4 mixed adapters) and plain generate
 #   profile   the shipped engine's device kernel time per kind and decode step against wall time (bench/profile_decode.py)
 #   training  fine-tuning throughput against a plain Trainer + PEFT script, with and without packing (bench/training.py)
 #   priority  live requests' time to first token while a batch runs in the same engine, at live and at batch
@@ -77,6 +78,9 @@ for s in "$@"; do
       stage doctor 120 python3 -m worker.cli doctor
       stage suite ${SUITE_LIMIT:-420} env XPUJOBS_TEST_BACKEND=cuda python3 -m pytest -q -p no:cacheprovider \
         --timeout 300 ${SUITE_TESTS:-$DEVICE_TESTS} ;;
+    engine-check)  # the engine's greedy tokens against generate on the device, then engine, adapters and generate
+      stage engine-check 300 python3 -m bench.generation --model qwen3-0.6b --device cuda --check --generate-prompts 256 \
+        --variants current:engine,current:engine-adapters,current:generate-bs256 --out "$OUT/h200-engine-check.json" ;;
     profile)  # device kernel time per kind and step against wall time, the base and 4 mixed LoRA adapters
       stage profile 240 python3 -m bench.profile_decode --model qwen3-0.6b --device cuda --adapters 0,4 \
         --out "$OUT/h200-profile.json" ;;
