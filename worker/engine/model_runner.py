@@ -346,8 +346,8 @@ class NativeRunner:
     def _lin(x, spec, mask):
         w, b, lora = spec
         y = F.linear(x, w, b)
-        if lora is not None:  # the adapter's delta added in the second matmul's epilogue
-            y = torch.addmm(y, F.linear(x, lora[0]) * mask, lora[1].t())
+        if lora is not None:  # the adapter's delta added in place by the second matmul (no copy of y)
+            y.addmm_(F.linear(x, lora[0]) * mask, lora[1].t())
         return y
 
     def _layers(self, x: torch.Tensor, mask, pos: torch.Tensor, kv_index: torch.Tensor, attend: Callable,

@@ -67,7 +67,8 @@ def supported(head_dim: int, groups: int) -> bool:
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                           lengths: torch.Tensor, scale: float, block_n: int = 64) -> torch.Tensor:
+                           lengths: torch.Tensor, scale: float, block_n: int = 64, num_warps: int = 4,
+                           num_stages: int = 2) -> torch.Tensor:
     """q [B, Hkv, G, D] (the G query heads of each KV head); k_cache, v_cache [blocks, block_size, Hkv, D];
     tables [>= B, max_blocks] the block table of each row, row b attending to its first lengths[b] positions.
     Returns [B, Hkv, G, D] in q's dtype."""
@@ -80,7 +81,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), out.stride(2),
         tables.stride(0), G=G, GP=gp, D=D, BS=k_cache.shape[1], BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-        num_warps=4, num_stages=2)
+        num_warps=num_warps, num_stages=num_stages)
     return out
 
 
@@ -128,70 +129,69 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tenso
 
 
 @triton.jit
-def _norm_rope(x1, x2, W, COS, SIN, p, s_c, eps, c, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
-    """One head's halves (float32, rounded from dtype dt) -> per-head RMSNorm (Qwen3's q_norm / k_norm) and RoPE,
-    with transformers' roundings to the model dtype; returns the two output halves in that dtype."""
+def _qkv_kernel(QKV, QW, KW, COS, SIN, POS, IDX, QO, KO, VO, KC, VC, s_t, s_c, s_qo, s_ko, s_kc, eps,
+                HQ: tl.constexpr, HKV: tl.constexpr, NHP: tl.constexpr, HALF: tl.constexpr, HAS_QN: tl.constexpr,
+                HAS_KN: tl.constexpr, WANT_KV: tl.constexpr):
+    """One program per token of a fused qkv row, its heads as the rows of one tile: q heads are normed (Qwen3's
+    q_norm) and rotated into QO, k heads normed, rotated and written into the cache at the token's flat index, v
+    heads copied there; with WANT_KV k and v also go to KO / VO (prefill's attention reads them). Every
+    intermediate transformers stores in the model dtype is rounded to it here too."""
+    t = tl.program_id(0)
+    h = tl.arange(0, NHP)[:, None]
+    c = tl.arange(0, HALF)[None, :]
+    is_q = h < HQ
+    is_k = (h >= HQ) & (h < HQ + HKV)
+    is_v = (h >= HQ + HKV) & (h < HQ + 2 * HKV)
+    row = QKV + t * s_t + h * (2 * HALF)
+    x1 = tl.load(row + c, mask=h < HQ + 2 * HKV, other=0.0)
+    x2 = tl.load(row + HALF + c, mask=h < HQ + 2 * HKV, other=0.0)
     dt = x1.dtype
-    x1 = x1.to(tl.float32)
-    x2 = x2.to(tl.float32)
-    if HAS_NORM:
-        var = (tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF)
-        r = tl.rsqrt(var + eps)
-        w1 = tl.load(W + c).to(tl.float32)
-        w2 = tl.load(W + HALF + c).to(tl.float32)
-        x1 = ((x1 * r).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
-        x2 = ((x2 * r).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
+    f1 = x1.to(tl.float32)
+    f2 = x2.to(tl.float32)
+    if HAS_QN or HAS_KN:
+        r = tl.rsqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1))[:, None] / (2 * HALF) + eps)
+        if HAS_QN:
+            qw1 = tl.load(QW + c).to(tl.float32)
+            qw2 = tl.load(QW + HALF + c).to(tl.float32)
+        else:
+            qw1 = tl.full([1, HALF], 1.0, tl.float32)
+            qw2 = qw1
+        if HAS_KN:
+            kw1 = tl.load(KW + c).to(tl.float32)
+            kw2 = tl.load(KW + HALF + c).to(tl.float32)
+        else:
+            kw1 = tl.full([1, HALF], 1.0, tl.float32)
+            kw2 = kw1
+        n1 = ((f1 * r).to(dt).to(tl.float32) * tl.where(is_q, qw1, kw1)).to(dt).to(tl.float32)
+        n2 = ((f2 * r).to(dt).to(tl.float32) * tl.where(is_q, qw2, kw2)).to(dt).to(tl.float32)
+        normed = (is_q & HAS_QN) | (is_k & HAS_KN)
+        f1 = tl.where(normed, n1, f1)
+        f2 = tl.where(normed, n2, f2)
+    p = tl.load(POS + t)
     cos1 = tl.load(COS + p * s_c + c).to(tl.float32)
     cos2 = tl.load(COS + p * s_c + HALF + c).to(tl.float32)
     sin1 = tl.load(SIN + p * s_c + c).to(tl.float32)
     sin2 = tl.load(SIN + p * s_c + HALF + c).to(tl.float32)
     # x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1)
-    o1 = ((x1 * cos1).to(dt).to(tl.float32) + (-x2 * sin1).to(dt).to(tl.float32)).to(dt)
-    o2 = ((x2 * cos2).to(dt).to(tl.float32) + (x1 * sin2).to(dt).to(tl.float32)).to(dt)
-    return o1, o2
-
-
-@triton.jit
-def _qkv_kernel(QKV, QW, KW, COS, SIN, POS, IDX, QO, KO, VO, KC, VC, s_t, s_c, s_qo, s_ko, s_kc, eps,
-                HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HAS_QN: tl.constexpr,
-                HAS_KN: tl.constexpr, WANT_KV: tl.constexpr):
-    """One program per (token, head of q, k or v) of a fused qkv row: q heads are normed and rotated into QO, k
-    heads normed, rotated and written into the cache at the token's flat index, v heads copied there; with WANT_KV
-    the k and v heads also go to KO / VO (prefill's attention reads them)."""
-    pid = tl.program_id(0)
-    t = pid // (HQ + 2 * HKV)
-    h = pid % (HQ + 2 * HKV)
-    c = tl.arange(0, HALF)
-    base = QKV + t * s_t + h * (2 * HALF)
-    x1 = tl.load(base + c)
-    x2 = tl.load(base + HALF + c)
-    p = tl.load(POS + t)
-    if h < HQ:
-        o1, o2 = _norm_rope(x1, x2, QW, COS, SIN, p, s_c, eps, c, HALF, HAS_QN)
-        out = QO + t * s_qo + h * (2 * HALF)
-        tl.store(out + c, o1)
-        tl.store(out + HALF + c, o2)
-    else:
-        slot = tl.load(IDX + t).to(tl.int64)
-        if h < HQ + HKV:
-            hk = h - HQ
-            o1, o2 = _norm_rope(x1, x2, KW, COS, SIN, p, s_c, eps, c, HALF, HAS_KN)
-            dst = KC + slot * s_kc + hk * (2 * HALF)
-            tl.store(dst + c, o1)
-            tl.store(dst + HALF + c, o2)
-            if WANT_KV:
-                ko = KO + t * s_ko + hk * (2 * HALF)
-                tl.store(ko + c, o1)
-                tl.store(ko + HALF + c, o2)
-        else:
-            hv = h - HQ - HKV
-            dst = VC + slot * s_kc + hv * (2 * HALF)
-            tl.store(dst + c, x1)
-            tl.store(dst + HALF + c, x2)
-            if WANT_KV:
-                vo = VO + t * s_ko + hv * (2 * HALF)
-                tl.store(vo + c, x1)
-                tl.store(vo + HALF + c, x2)
+    o1 = ((f1 * cos1).to(dt).to(tl.float32) + (-f2 * sin1).to(dt).to(tl.float32)).to(dt)
+    o2 = ((f2 * cos2).to(dt).to(tl.float32) + (f1 * sin2).to(dt).to(tl.float32)).to(dt)
+    q_out = QO + t * s_qo + h * (2 * HALF)
+    tl.store(q_out + c, o1, mask=is_q)
+    tl.store(q_out + HALF + c, o2, mask=is_q)
+    slot = tl.load(IDX + t).to(tl.int64)
+    k_dst = KC + slot * s_kc + (h - HQ) * (2 * HALF)
+    tl.store(k_dst + c, o1, mask=is_k)
+    tl.store(k_dst + HALF + c, o2, mask=is_k)
+    v_dst = VC + slot * s_kc + (h - HQ - HKV) * (2 * HALF)
+    tl.store(v_dst + c, x1, mask=is_v)
+    tl.store(v_dst + HALF + c, x2, mask=is_v)
+    if WANT_KV:
+        k_out = KO + t * s_ko + (h - HQ) * (2 * HALF)
+        tl.store(k_out + c, o1, mask=is_k)
+        tl.store(k_out + HALF + c, o2, mask=is_k)
+        v_out = VO + t * s_ko + (h - HQ - HKV) * (2 * HALF)
+        tl.store(v_out + c, x1, mask=is_v)
+        tl.store(v_out + HALF + c, x2, mask=is_v)
 
 
 def qkv_rope_store(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, cos: torch.Tensor,
@@ -209,11 +209,11 @@ def qkv_rope_store(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch
     if want_kv:
         k = torch.empty(T, hkv, D, dtype=qkv.dtype, device=qkv.device)
         v = torch.empty_like(k)
-    _qkv_kernel[(T * (hq + 2 * hkv),)](
+    _qkv_kernel[(T,)](
         qkv, q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv, cos, sin, pos, kv_index,
         q, k if want_kv else q, v if want_kv else q, k_cache, v_cache, qkv.stride(0), cos.stride(0), q.stride(0),
-        hkv * D, hkv * D, eps, HQ=hq, HKV=hkv, HALF=D // 2, HAS_QN=q_norm is not None, HAS_KN=k_norm is not None,
-        WANT_KV=want_kv, num_warps=1)
+        hkv * D, hkv * D, eps, HQ=hq, HKV=hkv, NHP=triton.next_power_of_2(hq + 2 * hkv), HALF=D // 2,
+        HAS_QN=q_norm is not None, HAS_KN=k_norm is not None, WANT_KV=want_kv, num_warps=4)
     return q, k, v
 
 
