@@ -1,5 +1,6 @@
 """The Batch API end to end through the official openai client."""
 
+import contextlib
 import json
 import os
 import signal
@@ -176,42 +177,6 @@ def _workers(api_url: str) -> dict[str, dict]:
     return {w["node"]: w for w in httpx.get(api_url + "/v1/workers", headers=headers).json()["data"]}
 
 
-def _kill_engines(workers: dict[str, dict]) -> set[int]:
-    killed = {w["engine_pid"] for w in workers.values() if w.get("engine_pid")}
-    for pid in killed:
-        os.kill(pid, signal.SIGKILL)
-    return killed
-
-
-def test_a_dead_engine_process_is_replaced_and_its_lines_run_again(client_a, api_url):
-    """A node's models run in a child process. If it dies, the worker stays up, starts a new one, and the batch
-    lines the dead one held run there: every line completes, once."""
-    lines = [chat_line(f"e-{i}", "demo-tiny", max_tokens=2 + 4 * i, ignore_eos=True) for i in range(200)]
-    upload = client_a.files.create(file=("engine.jsonl", "\n".join(lines).encode()), purpose="batch")
-    batch = client_a.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
-                                    completion_window="24h")
-    _wait(lambda: client_a.batches.retrieve(batch.id).request_counts.completed > 0, 120, "first results")
-    before = _workers(api_url)
-    killed = _kill_engines(before)
-    assert killed
-    done = _wait(lambda: (b := client_a.batches.retrieve(batch.id)).status in TERMINAL and b, 120, "batch")
-    assert done.status == "completed"
-    assert (done.request_counts.completed, done.request_counts.failed) == (200, 0)
-    assert sorted(line["custom_id"] for line in read_lines(client_a, done.output_file_id)) == \
-        sorted(f"e-{i}" for i in range(200))
-
-    reply = client_a.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "Hi"}],
-                                             max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
-    assert reply.usage.completion_tokens == 4
-    after = _workers(api_url)
-    assert {n: w["pid"] for n, w in after.items()} == {n: w["pid"] for n, w in before.items()}
-    assert not killed & {w.get("engine_pid") for w in after.values()}
-
-
-def _decode_steps(api_url: str) -> int:
-    return sum(m["engine"].get("decode_steps", 0) for w in _workers(api_url).values() for m in w.get("models", []))
-
-
 def _engine_processes(worker_pids: set[int]) -> set[int]:
     """The workers' engine processes, read from /proc: a new one shows there as soon as it is spawned, long before
     it has imported torch and could take a request (the registry shows it only at the next heartbeat)."""
@@ -227,26 +192,89 @@ def _engine_processes(worker_pids: set[int]) -> set[int]:
     return found
 
 
-def test_a_line_whose_engine_process_dies_twice_goes_to_the_error_file(client_a, api_url):
-    # as long as the demo model allows (1,024 positions): still running when the registry shows them decoding
-    lines = [chat_line(f"d-{i}", "demo-tiny", max_tokens=1000, ignore_eos=True) for i in range(64)]
-    upload = client_a.files.create(file=("twice.jsonl", "\n".join(lines).encode()), purpose="batch")
-    worker_pids = {w["pid"] for w in _workers(api_url).values()}
-    steps = _decode_steps(api_url)
-    batch = client_a.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
-                                    completion_window="24h")
-    _wait(lambda: _decode_steps(api_url) > steps, 60, "the batch's lines to be decoding")
-    first = _engine_processes(worker_pids)
-    for pid in first:
-        os.kill(pid, signal.SIGKILL)
-    # the lines go to a new engine process: kill it before it can run them
-    second = _wait(lambda: _engine_processes(worker_pids) - first, 30, "a new engine process")
-    for pid in second:
-        os.kill(pid, signal.SIGKILL)
+class _StoppedEngines:
+    """The workers' engine processes held in SIGSTOP, each as soon as /proc shows it: a stopped one takes the lines
+    handed to it and can finish none, so what a test kills holds them however fast the device is (on an H200 the
+    lines of a batch ended before a kill timed from the registry could reach them). Resumed on exit."""
+
+    def __init__(self, api_url: str):
+        self.api_url = api_url
+        self.worker_pids = {w["pid"] for w in _workers(api_url).values()}
+        self.stopped: set[int] = set()
+        self.killed: set[int] = set()
+
+    def __enter__(self):
+        self.stop_new()
+        return self
+
+    def __exit__(self, *_):
+        for pid in self.stopped - self.killed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+    def stop_new(self) -> None:
+        for pid in _engine_processes(self.worker_pids) - self.stopped:
+            os.kill(pid, signal.SIGSTOP)
+            self.stopped.add(pid)
+
+    def kill_holding(self, lines: int) -> set[int]:
+        """Wait until stopped engine processes not killed yet hold `lines` requests between them (as the workers
+        count them in the registry), then SIGKILL those."""
+        def holders():
+            self.stop_new()  # a replacement, spawned for the lines of a killed one, is stopped before it imports torch
+            held = {w["engine_pid"]: w.get("engine_requests", 0) for w in _workers(self.api_url).values()
+                    if w.get("engine_pid") in self.stopped - self.killed}
+            return sum(held.values()) == lines and {pid for pid, n in held.items() if n}
+        victims = _wait(holders, 60, f"stopped engine processes holding {lines} lines")
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        self.killed |= victims
+        return victims
+
+
+def test_a_dead_engine_process_is_replaced_and_its_lines_run_again(client_a, api_url):
+    """A node's models run in a child process. If it dies, the worker stays up, starts a new one, and the batch
+    lines the dead one held run there: every line completes, once."""
+    lines = [chat_line(f"e-{i}", "demo-tiny", max_tokens=2 + 4 * i, ignore_eos=True) for i in range(200)]
+    upload = client_a.files.create(file=("engine.jsonl", "\n".join(lines).encode()), purpose="batch")
+    before = _workers(api_url)
+    with _StoppedEngines(api_url) as engines:
+        batch = client_a.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                        completion_window="24h")
+        killed = engines.kill_holding(200)
     done = _wait(lambda: (b := client_a.batches.retrieve(batch.id)).status in TERMINAL and b, 120, "batch")
     assert done.status == "completed"
-    assert done.request_counts.failed > 0
-    assert done.request_counts.completed + done.request_counts.failed == 64
+    assert (done.request_counts.completed, done.request_counts.failed) == (200, 0)
+    assert sorted(line["custom_id"] for line in read_lines(client_a, done.output_file_id)) == \
+        sorted(f"e-{i}" for i in range(200))
+
+    reply = client_a.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "Hi"}],
+                                             max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 4
+    after = _workers(api_url)
+    assert {n: w["pid"] for n, w in after.items()} == {n: w["pid"] for n, w in before.items()}
+    assert not killed & {w.get("engine_pid") for w in after.values()}
+
+
+def test_a_line_whose_engine_process_dies_twice_goes_to_the_error_file(client_a, api_url):
+    """A line is given to the engines twice: when the second engine process also dies under it, it goes to the
+    error file and the batch completes; the node answers the next request from a third one."""
+    lines = [chat_line(f"d-{i}", "demo-tiny", max_tokens=16, ignore_eos=True) for i in range(64)]  # one chunk
+    upload = client_a.files.create(file=("twice.jsonl", "\n".join(lines).encode()), purpose="batch")
+    with _StoppedEngines(api_url) as engines:
+        batch = client_a.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                        completion_window="24h")
+        first = engines.kill_holding(64)
+        # the lines go to a new engine process, stopped as it appears: killed holding them too
+        second = engines.kill_holding(64)
+    assert first and second and not first & second
+    done = _wait(lambda: (b := client_a.batches.retrieve(batch.id)).status in TERMINAL and b, 120, "batch")
+    assert done.status == "completed"
+    assert (done.request_counts.completed, done.request_counts.failed) == (0, 64)
     errors = read_lines(client_a, done.error_file_id)
+    assert sorted(e["custom_id"] for e in errors) == sorted(f"d-{i}" for i in range(64))
     assert {e["error"]["code"] for e in errors} == {"server_error"}
     assert all("engine process exited" in e["error"]["message"] for e in errors)
+    reply = client_a.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "Hi"}],
+                                             max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 4

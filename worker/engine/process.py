@@ -122,21 +122,23 @@ class EngineHost:
 
     def report(self) -> dict:
         """What the registry shows of the loaded models and their engines, and per device index the bytes evicting
-        the idle ones would give back (nothing while no child runs)."""
+        the idle ones would give back (nothing while no child runs). `engine_requests` is counted on this side:
+        the requests handed to the current child and not answered yet, known also while it does not answer."""
         future: Future = Future()
         with self._lock:
             if self._conn is None:
-                return {"models": [], "engine_pid": None}
+                return {"models": [], "engine_pid": None, "engine_requests": 0}
             conn, pid, call_id = self._conn, self._proc.pid, next(self._call_ids)
+            held = sum(1 for pending in self._pending.values() if pending.conn is conn)
             self._reports[call_id] = future
         try:
             if not self._send(conn, ReportRequest(call_id)):
-                return {"models": [], "engine_pid": None}
-            return {**future.result(timeout=REPORT_TIMEOUT_SECONDS), "engine_pid": pid}
+                return {"models": [], "engine_pid": None, "engine_requests": 0}
+            return {**future.result(timeout=REPORT_TIMEOUT_SECONDS), "engine_pid": pid, "engine_requests": held}
         except TimeoutError:
             with self._lock:
                 last = self._last_report
-            return {**last, "engine_pid": pid, "engine_process": "not answering"}
+            return {**last, "engine_pid": pid, "engine_process": "not answering", "engine_requests": held}
         finally:
             with self._lock:
                 self._reports.pop(call_id, None)
