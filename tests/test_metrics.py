@@ -48,14 +48,15 @@ def _host(samples: dict, name: str) -> str:
 
 
 def test_a_running_fine_tune_shows_its_progress(api_url, client_a):
-    upload = client_a.files.create(file=("metrics.jsonl", training_jsonl(8)), purpose="fine-tune")
+    # long enough to be still running at the cancel however fast the device trains (400 steps could end first)
+    upload = client_a.files.create(file=("metrics.jsonl", training_jsonl(40)), purpose="fine-tune")
     job = client_a.fine_tuning.jobs.create(model="demo-tiny", training_file=upload.id,
                                            hyperparameters={"n_epochs": 50, "batch_size": 1},
-                                           extra_body={"max_steps": 400})
+                                           extra_body={"max_steps": 2000})
     first = _wait(lambda: (s := scrape(api_url)) and value(s, "xpujobs_finetune_step", job=job.id) >= 2 and s,
                   240, "the fine-tune's first steps in /metrics")
     assert value(first, "xpujobs_jobs", kind="ftjob", status="running") >= 1
-    assert value(first, "xpujobs_finetune_total_steps", job=job.id) == 400
+    assert value(first, "xpujobs_finetune_total_steps", job=job.id) == 2000
     step = value(first, "xpujobs_finetune_step", job=job.id)
     later = _wait(lambda: (s := scrape(api_url)) and value(s, "xpujobs_finetune_step", job=job.id) > step and s,
                   120, "the step to move")
