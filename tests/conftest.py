@@ -206,3 +206,63 @@ def wait_for_job(client: openai.OpenAI, job_id: str, statuses=("succeeded", "fai
                  timeout: float = 240):
     return _wait(lambda: (j := client.fine_tuning.jobs.retrieve(job_id)).status in statuses and j, timeout,
                  f"job {job_id} to reach {statuses}")
+
+
+def _workers(api_url: str) -> dict[str, dict]:
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+    return {w["node"]: w for w in httpx.get(api_url + "/v1/workers", headers=headers).json()["data"]}
+
+
+def _engine_processes(worker_pids: set[int]) -> set[int]:
+    """The workers' engine processes, read from /proc: a new one shows there as soon as it is spawned, long before
+    it has imported torch and could take a request (the registry shows it only at the next heartbeat)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            command = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent in worker_pids and b"spawn_main" in command:
+            found.add(int(stat.parent.name))
+    return found
+
+
+class StoppedEngines:
+    """The workers' engine processes held in SIGSTOP, each as soon as /proc shows it: a stopped one takes the lines
+    handed to it and can finish none, so what a test kills holds them however fast the device is (on an H200 the
+    lines of a batch ended before a kill timed from the registry could reach them). Resumed on exit."""
+
+    def __init__(self, api_url: str):
+        self.api_url = api_url
+        self.worker_pids = {w["pid"] for w in _workers(api_url).values()}
+        self.stopped: set[int] = set()
+        self.killed: set[int] = set()
+
+    def __enter__(self):
+        self.stop_new()
+        return self
+
+    def __exit__(self, *_):
+        for pid in self.stopped - self.killed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+    def stop_new(self) -> None:
+        for pid in _engine_processes(self.worker_pids) - self.stopped:
+            os.kill(pid, signal.SIGSTOP)
+            self.stopped.add(pid)
+
+    def kill_holding(self, lines: int) -> set[int]:
+        """Wait until stopped engine processes not killed yet hold `lines` requests between them (as the workers
+        count them in the registry), then SIGKILL those."""
+        def holders():
+            self.stop_new()  # a replacement, spawned for the lines of a killed one, is stopped before it imports torch
+            held = {w["engine_pid"]: w.get("engine_requests", 0) for w in _workers(self.api_url).values()
+                    if w.get("engine_pid") in self.stopped - self.killed}
+            return sum(held.values()) == lines and {pid for pid, n in held.items() if n}
+        victims = _wait(holders, 60, f"stopped engine processes holding {lines} lines")
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        self.killed |= victims
+        return victims

@@ -1,15 +1,10 @@
 """The Batch API end to end through the official openai client."""
 
-import contextlib
 import json
-import os
-import signal
 import time
-from pathlib import Path
 
-import httpx
 import pytest
-from conftest import KEY_A, _wait, wait_for_job
+from conftest import StoppedEngines, _wait, _workers, wait_for_job
 from test_fine_tune_e2e import ANSWER, QUESTION, training_jsonl
 
 TERMINAL = ("completed", "failed", "cancelled", "expired")
@@ -172,73 +167,13 @@ def test_cancel_keeps_finished_lines(client_a):
     assert len({o["custom_id"] for o in output}) == len(output)
 
 
-def _workers(api_url: str) -> dict[str, dict]:
-    headers = {"Authorization": f"Bearer {KEY_A}"}
-    return {w["node"]: w for w in httpx.get(api_url + "/v1/workers", headers=headers).json()["data"]}
-
-
-def _engine_processes(worker_pids: set[int]) -> set[int]:
-    """The workers' engine processes, read from /proc: a new one shows there as soon as it is spawned, long before
-    it has imported torch and could take a request (the registry shows it only at the next heartbeat)."""
-    found = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            command = (stat.parent / "cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent in worker_pids and b"spawn_main" in command:
-            found.add(int(stat.parent.name))
-    return found
-
-
-class _StoppedEngines:
-    """The workers' engine processes held in SIGSTOP, each as soon as /proc shows it: a stopped one takes the lines
-    handed to it and can finish none, so what a test kills holds them however fast the device is (on an H200 the
-    lines of a batch ended before a kill timed from the registry could reach them). Resumed on exit."""
-
-    def __init__(self, api_url: str):
-        self.api_url = api_url
-        self.worker_pids = {w["pid"] for w in _workers(api_url).values()}
-        self.stopped: set[int] = set()
-        self.killed: set[int] = set()
-
-    def __enter__(self):
-        self.stop_new()
-        return self
-
-    def __exit__(self, *_):
-        for pid in self.stopped - self.killed:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-
-    def stop_new(self) -> None:
-        for pid in _engine_processes(self.worker_pids) - self.stopped:
-            os.kill(pid, signal.SIGSTOP)
-            self.stopped.add(pid)
-
-    def kill_holding(self, lines: int) -> set[int]:
-        """Wait until stopped engine processes not killed yet hold `lines` requests between them (as the workers
-        count them in the registry), then SIGKILL those."""
-        def holders():
-            self.stop_new()  # a replacement, spawned for the lines of a killed one, is stopped before it imports torch
-            held = {w["engine_pid"]: w.get("engine_requests", 0) for w in _workers(self.api_url).values()
-                    if w.get("engine_pid") in self.stopped - self.killed}
-            return sum(held.values()) == lines and {pid for pid, n in held.items() if n}
-        victims = _wait(holders, 60, f"stopped engine processes holding {lines} lines")
-        for pid in victims:
-            os.kill(pid, signal.SIGKILL)
-        self.killed |= victims
-        return victims
-
-
 def test_a_dead_engine_process_is_replaced_and_its_lines_run_again(client_a, api_url):
     """A node's models run in a child process. If it dies, the worker stays up, starts a new one, and the batch
     lines the dead one held run there: every line completes, once."""
     lines = [chat_line(f"e-{i}", "demo-tiny", max_tokens=2 + 4 * i, ignore_eos=True) for i in range(200)]
     upload = client_a.files.create(file=("engine.jsonl", "\n".join(lines).encode()), purpose="batch")
     before = _workers(api_url)
-    with _StoppedEngines(api_url) as engines:
+    with StoppedEngines(api_url) as engines:
         batch = client_a.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
                                         completion_window="24h")
         killed = engines.kill_holding(200)
@@ -261,7 +196,7 @@ def test_a_line_whose_engine_process_dies_twice_goes_to_the_error_file(client_a,
     error file and the batch completes; the node answers the next request from a third one."""
     lines = [chat_line(f"d-{i}", "demo-tiny", max_tokens=16, ignore_eos=True) for i in range(64)]  # one chunk
     upload = client_a.files.create(file=("twice.jsonl", "\n".join(lines).encode()), purpose="batch")
-    with _StoppedEngines(api_url) as engines:
+    with StoppedEngines(api_url) as engines:
         batch = client_a.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
                                         completion_window="24h")
         first = engines.kill_holding(64)

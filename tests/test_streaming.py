@@ -3,11 +3,12 @@ events carry the same text as the non-streamed answer, usage comes last when ask
 away cancels its request."""
 
 import json
+import time
 import uuid
 
 import openai
 import pytest
-from conftest import _wait, wait_for_job
+from conftest import StoppedEngines, _wait, wait_for_job
 
 from contract.records import RecordStore
 
@@ -225,18 +226,27 @@ def test_streamed_logprobs_come_with_their_tokens(client_a, taught):
     assert [o for c in chunks for o in c.text_offset] == whole.text_offset
 
 
-def test_disconnect_cancels_a_request_that_is_not_streamed(client_a, redis_client):
+def test_disconnect_cancels_a_request_that_is_not_streamed(client_a, redis_client, api_url):
     # The client gives up after a second; the API sees it go and cancels the request in the engine, which would
-    # otherwise write its 1000 tokens for nobody.
+    # otherwise write its 1000 tokens for nobody. The engine processes are held stopped until the cancel is asked
+    # for, so the request is still unanswered when the client gives up however fast the device is (on a GPU its
+    # 1000 tokens could come within the second).
     user = f"gone-{uuid.uuid4().hex[:8]}"
     impatient = client_a.with_options(timeout=1.0, max_retries=0)
-    with pytest.raises(openai.APITimeoutError):
-        impatient.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "Hi"}], n=4,
-                                          max_tokens=1000, user=user, extra_body={"ignore_eos": True})
     store = RecordStore(redis_client)
 
+    def mine():
+        return next((r for r in store.page("chat", "tenant-a", limit=20)[0] if r.get("user") == user), None)
+
+    with StoppedEngines(api_url):
+        with pytest.raises(openai.APITimeoutError):
+            impatient.chat.completions.create(model="demo-tiny", messages=[{"role": "user", "content": "Hi"}], n=4,
+                                              max_tokens=1000, user=user, extra_body={"ignore_eos": True})
+        _wait(lambda: redis_client.exists(f"cancel:{mine()['id']}"), 30, "the API to ask for the cancel")
+        time.sleep(1)  # ten ticks of the node's cancel watch (0.1 s), which sends the cancel to the engine process
+
     def ended():
-        (record,) = [r for r in store.page("chat", "tenant-a", limit=20)[0] if r.get("user") == user]
+        record = mine()
         return record["status"] not in ("queued", "in_progress") and record
 
     record = _wait(ended, 60, "the request to end")
