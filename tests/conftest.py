@@ -266,3 +266,12 @@ class StoppedEngines:
             os.kill(pid, signal.SIGKILL)
         self.killed |= victims
         return victims
+
+    def run_for(self, seconds: float) -> None:
+        """Let the stopped engine processes run a moment, then stop them again: a bounded stretch of work."""
+        alive = self.stopped - self.killed
+        for pid in alive:
+            os.kill(pid, signal.SIGCONT)
+        time.sleep(seconds)
+        for pid in alive:
+            os.kill(pid, signal.SIGSTOP)

@@ -113,23 +113,25 @@ def test_large_batch_in_chunks_keeps_order_and_counts_move(client_a):
     assert len({e["data"]["node"] for e in events if "chunk" in e["data"]}) == 2, "chunks ran on one worker only"
 
 
-def test_chunk_of_a_killed_worker_is_redone_exactly_once(client_a, workers, start_worker, redis_client):
+def test_chunk_of_a_killed_worker_is_redone_exactly_once(client_a, api_url, workers, start_worker, redis_client):
     n = 192
-    # long enough that a chunk is still running when the test looks for one to kill
     lines = [chat_line(f"k-{i}", "demo-tiny", content=f"Item {i}", max_tokens=400, ignore_eos=True)
              for i in range(n)]
     upload = client_a.files.create(file=("kill.jsonl", "\n".join(lines).encode()), purpose="batch")
-    batch = client_a.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
-                                    completion_window="24h")
 
     def busy_node():
         for index in range(3):
             chunk = redis_client.hgetall(f"rec:chunk:{batch.id}.{index:05d}")
             if chunk and json.loads(chunk["status"]) == "in_progress":
                 return json.loads(chunk["node"])
-    node = _wait(busy_node, 120, "a chunk in progress")
-    victim = next(w for w in workers if node.startswith(w.name + "@"))
-    victim.kill()
+    # the engine processes stopped: the chunk found in progress is still running when its node is killed, however
+    # fast the device (the node's own goes with it; the other resumes, for the redo)
+    with StoppedEngines(api_url):
+        batch = client_a.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                        completion_window="24h")
+        node = _wait(busy_node, 120, "a chunk in progress")
+        victim = next(w for w in workers if node.startswith(w.name + "@"))
+        victim.kill()
     try:
         done = _wait(lambda: (b := client_a.batches.retrieve(batch.id)).status in TERMINAL and b, 300, "batch")
         assert done.status == "completed"
@@ -150,15 +152,25 @@ def test_unreadable_file_fails_in_validating(client_a):
     assert dup.status == "failed" and "repeats line 1" in dup.errors.data[0].message
 
 
-def test_cancel_keeps_finished_lines(client_a):
-    # Lengths spread over hundreds of steps, so the first results come long before the last.
+def test_cancel_keeps_finished_lines(client_a, api_url, redis_client):
+    # Lengths spread over hundreds of steps, so the first results come long before the last. The engine processes
+    # run in stretches of 50 ms until the first results show, and stay stopped until the cancel reaches them: on a
+    # fast device, the time the results take to show could otherwise be enough to finish every line.
     lines = [chat_line(f"slow-{i}", "demo-tiny", max_tokens=2 + 4 * i, ignore_eos=True) for i in range(200)]
     upload = client_a.files.create(file=("slow.jsonl", "\n".join(lines).encode()), purpose="batch")
-    batch = client_a.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
-                                    completion_window="24h")
-    _wait(lambda: client_a.batches.retrieve(batch.id).request_counts.completed > 0, 120, "first results")
-    cancelling = client_a.batches.cancel(batch.id)
-    assert cancelling.status in ("cancelling", "cancelled")
+    with StoppedEngines(api_url) as engines:
+        batch = client_a.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                        completion_window="24h")
+
+        def first_results():
+            engines.stop_new()
+            engines.run_for(0.05)
+            return client_a.batches.retrieve(batch.id).request_counts.completed > 0
+        _wait(first_results, 120, "first results")
+        cancelling = client_a.batches.cancel(batch.id)
+        assert cancelling.status in ("cancelling", "cancelled")
+        _wait(lambda: redis_client.exists(f"cancel:{batch.id}"), 30, "the cancel to be asked for")
+        time.sleep(1)  # ten ticks of the nodes' cancel watch (0.1 s), which hands the cancels to the engines
     done = _wait(lambda: (b := client_a.batches.retrieve(batch.id)).status in TERMINAL and b, 60, "cancel")
     assert done.status == "cancelled" and done.cancelled_at
     output = read_lines(client_a, done.output_file_id)
