@@ -3,8 +3,9 @@
 Supervised lines: `{"messages": [...], "tools"?: [...], "parallel_tool_calls"?: bool}` (every assistant message is
 trained unless it has `"weight": 0`; assistant messages may hold `tool_calls`, answered by `tool` messages;
 content may be a string or an array of text parts), or `{"prompt", "completion"}`.
-DPO lines: `{"input": {"messages", "parallel_tool_calls"?}, "preferred_output": [assistant message],
-"non_preferred_output": [assistant message]}` (tools in a DPO input are refused: not supported yet).
+DPO lines: `{"input": {"messages", "tools"?, "parallel_tool_calls"?}, "preferred_output": [assistant message],
+"non_preferred_output": [assistant message]}`; an output may hold `tool_calls` (content then optional), as a
+supervised assistant message may.
 
 Validation runs in the API before a job is queued (pure Python, no model needed) and names the line and the
 field; the worker reads the same lines, normalised, through `read_examples`.
@@ -189,14 +190,21 @@ def _supervised(obj: dict) -> dict:
     raise BadExample("expected {\"messages\": [...]} or {\"prompt\": ..., \"completion\": ...}")
 
 
-def _dpo_output(value, field: str) -> dict:
+def _dpo_output(value, field: str, parallel_tool_calls: bool) -> dict:
     if not isinstance(value, list) or len(value) != 1 or not isinstance(value[0], dict):
         raise BadExample(f"'{field}' must be a list of one assistant message")
-    message = value[0]
+    message, where = value[0], f"{field}[0]"
     if message.get("role") != "assistant":
-        raise BadExample(f"{field}[0].role must be assistant")
-    _only(message, {"role", "content"}, f"{field}[0].")
-    return {"role": "assistant", "content": _text(message.get("content"), f"{field}[0].content")}
+        raise BadExample(f"{where}.role must be assistant")
+    _only(message, {"role", "content", "tool_calls"}, f"{where}.")
+    out = {"role": "assistant"}
+    if message.get("tool_calls") is not None:
+        out["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls", set())
+        if not parallel_tool_calls and len(out["tool_calls"]) > 1:
+            raise BadExample(f"{where}.tool_calls holds {len(out['tool_calls'])} calls but "
+                             "input.parallel_tool_calls is false")
+    out["content"] = _text(message.get("content"), f"{where}.content", optional="tool_calls" in out)
+    return out
 
 
 def _dpo(obj: dict) -> dict:
@@ -207,17 +215,15 @@ def _dpo(obj: dict) -> dict:
     if not isinstance(source, dict):
         raise BadExample("'input' must be an object {\"messages\": [...]}")
     _only(source, {"messages", "tools", "parallel_tool_calls"}, "input.")
-    if source.get("tools"):
-        raise BadExample("input.tools: tools in DPO examples are not supported")
-    _, parallel = _tools(source, "input.")
+    tools, parallel = _tools(source, "input.")
     messages = _messages(source.get("messages"), "input.messages", parallel)
     if messages[-1]["role"] == "assistant":
         raise BadExample("input.messages must end with a turn the outputs answer (not an assistant message)")
-    chosen = _dpo_output(obj.get("preferred_output"), "preferred_output")
-    rejected = _dpo_output(obj.get("non_preferred_output"), "non_preferred_output")
-    if chosen["content"] == rejected["content"]:
+    chosen = _dpo_output(obj.get("preferred_output"), "preferred_output", parallel)
+    rejected = _dpo_output(obj.get("non_preferred_output"), "non_preferred_output", parallel)
+    if chosen == rejected:
         raise BadExample("preferred_output and non_preferred_output are the same")
-    return {"messages": messages, "tools": None, "chosen": chosen, "rejected": rejected}
+    return {"messages": messages, "tools": tools, "chosen": chosen, "rejected": rejected}
 
 
 def example(obj: dict, method: str = "supervised") -> dict:

@@ -261,18 +261,22 @@ def test_adapter_download_loads_in_peft_and_an_imported_adapter_is_served(client
     assert "trained for" in refused({"adapter_config.json": other_base, "adapter_model.safetensors": weights})
 
 
-def _answer_logprob(model, tokenizer, prompt: str, answer: str) -> float:
+def _output_logprob(model, tokenizer, messages: list[dict], output: dict, tools=None) -> float:
+    """The log-probability of an assistant message after a conversation, both rendered by the chat template."""
     import torch
 
-    before = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                           tokenize=False)
-    full = tokenizer.apply_chat_template([{"role": "user", "content": prompt},
-                                          {"role": "assistant", "content": answer}], tokenize=False)
+    before = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    full = tokenizer.apply_chat_template(messages + [output], tools=tools, tokenize=False)
     start = len(tokenizer(before, add_special_tokens=False)["input_ids"])
     ids = tokenizer(full, add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)
     return sum(logprobs[i - 1, ids[i]].item() for i in range(start, len(ids)))
+
+
+def _answer_logprob(model, tokenizer, prompt: str, answer: str) -> float:
+    return _output_logprob(model, tokenizer, [{"role": "user", "content": prompt}],
+                           {"role": "assistant", "content": answer})
 
 
 def test_dpo_moves_the_preferred_answer_above_the_other(client_a, http_a, stack_env, tmp_path):
@@ -311,6 +315,61 @@ def test_dpo_moves_the_preferred_answer_above_the_other(client_a, http_a, stack_
     zipfile.ZipFile(io.BytesIO(archive)).extractall(tmp_path / "dpo")
     tuned = PeftModel.from_pretrained(base, tmp_path / "dpo")
     assert _answer_logprob(tuned, tokenizer, prompt, preferred) > _answer_logprob(tuned, tokenizer, prompt, other)
+
+
+def test_dpo_with_tools_and_a_tool_call_output(client_a, http_a, stack_env, tmp_path):
+    """OpenAI's preference format with tools in the input and a tool call as the preferred output: the chat
+    template gets the tools and renders the call; a broken call is refused with its line and field."""
+    import io
+    import zipfile
+
+    import openai
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tools = [{"type": "function", "function": {"name": "weather", "description": "The weather in a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]}
+    other = {"role": "assistant", "content": "I cannot know the weather."}
+    pair = {"input": {"messages": messages, "tools": tools, "parallel_tool_calls": False},
+            "preferred_output": [call], "non_preferred_output": [other]}
+    broken = {**pair, "preferred_output": [{**call, "tool_calls": [
+        {**call["tool_calls"][0], "function": {"name": "weather", "arguments": "{city: Oslo"}}]}]}
+    bad = client_a.files.create(file=("bad-pairs.jsonl", "\n".join(map(json.dumps, [pair, broken])).encode()),
+                                purpose="fine-tune")
+    with pytest.raises(openai.BadRequestError) as exc:
+        client_a.fine_tuning.jobs.create(model="demo-tiny", training_file=bad.id, method={"type": "dpo"})
+    assert "line 2: preferred_output[0].tool_calls[0].function.arguments is not valid JSON" in \
+        exc.value.body["message"]
+
+    data = client_a.files.create(file=("tool-pairs.jsonl", "\n".join([json.dumps(pair)] * 8).encode()),
+                                 purpose="fine-tune")
+    job = client_a.fine_tuning.jobs.create(
+        model="demo-tiny", training_file=data.id, seed=1,
+        method={"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.1, "n_epochs": 5, "batch_size": 4,
+                                                           "learning_rate_multiplier": 10}}})
+    job = wait_for_job(client_a, job.id)
+    assert job.status == "succeeded", job.error
+
+    base_dir = Path(stack_env["XPUJOBS_MODELS_ROOT"]) / "demo-tiny"
+    tokenizer, base = AutoTokenizer.from_pretrained(base_dir), AutoModelForCausalLM.from_pretrained(base_dir)
+    assert "<tool_call>" in tokenizer.apply_chat_template(messages + [call], tools=tools, tokenize=False)
+
+    def margin(model) -> float:  # how much more likely the call is than the refusal, after the tools' prompt
+        return (_output_logprob(model, tokenizer, messages, call, tools)
+                - _output_logprob(model, tokenizer, messages, other, tools))
+    before = margin(base)
+    archive = http_a.get(f"/v1/fine_tuning/jobs/{job.id}/adapter").content
+    zipfile.ZipFile(io.BytesIO(archive)).extractall(tmp_path / "dpo-tools")
+    after = margin(PeftModel.from_pretrained(base, tmp_path / "dpo-tools"))
+    # DPO moves the margin relative to the base (the reference) until beta times the move saturates its loss:
+    # random weights make the ~20 tokens of the call so unlikely that the margin stays negative
+    assert after - before > 100, (before, after)
+    metrics = [e.data for e in client_a.fine_tuning.jobs.list_events(job.id, limit=100) if e.type == "metrics"]
+    assert metrics[0]["reward_accuracy"] == 1.0 and metrics[0]["reward_margin"] > 1  # newest first
 
 
 def test_gradient_checkpointing_is_a_job_option(client_a, training_file):

@@ -105,6 +105,42 @@ def test_tool_calls_are_trained_as_the_template_renders_them(tmp_path):
     assert tokenizer.decode(row["input_ids"]).startswith('<|system|>Tools: {"type": "function"')
 
 
+def test_dpo_pairs_reach_trl_with_their_tools_and_tool_calls(tmp_path):
+    """What TRL's DPOTrainer tokenizes from the job's pairs: the prompt rendered with the line's tools, a tool
+    call rendered by the template; a line without tools next to it renders none."""
+    import json
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    from contract.layout import file_path
+    from worker.training.trainer import _preference_rows
+
+    tokenizer = AutoTokenizer.from_pretrained(build_demo_model(tmp_path / "tiny"))
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}
+    with_tools = {"input": {"messages": [{"role": "user", "content": "Weather?"}],
+                            "tools": [{"type": "function", "function": {"name": "weather"}}]},
+                  "preferred_output": [{"role": "assistant", "tool_calls": [call]}],
+                  "non_preferred_output": [{"role": "assistant", "content": "No idea."}]}
+    plain = {"input": {"messages": [{"role": "user", "content": "Hi"}]},
+             "preferred_output": [{"role": "assistant", "content": "Hello"}],
+             "non_preferred_output": [{"role": "assistant", "content": "Go"}]}
+    path = file_path(tmp_path, "t", "file-pairs")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(with_tools) + "\n" + json.dumps(plain))
+    rows = _preference_rows({"tenant": "t", "training_file": "file-pairs"}, None,
+                            SimpleNamespace(artifact_root=tmp_path), tokenizer, "training_file", 1024)
+    args = DPOConfig(output_dir=str(tmp_path / "out"), max_length=1024, use_cpu=True, report_to=[])
+    tokenized = DPOTrainer._prepare_dataset(None, rows, tokenizer, args, "train")  # uses no trainer state here
+    decoded = [[tokenizer.decode(row[k]) for k in ("prompt_ids", "chosen_ids", "rejected_ids")] for row in tokenized]
+    assert decoded == [
+        ['<|system|>Tools: {"type": "function", "function": {"name": "weather"}}<|end|><|user|>Weather?<|end|>'
+         '<|assistant|>', '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call><|end|>',
+         "No idea.<|end|>"],
+        ["<|user|>Hi<|end|><|assistant|>", "Hello<|end|>", "Go<|end|>"]]
+
+
 def test_examples_longer_than_the_context_are_truncated_or_skipped(tmp_path):
     """Never trained at loss 0: an example with no trained token left after truncation is dropped."""
     from transformers import AutoTokenizer

@@ -78,7 +78,22 @@ def test_dpo_lines():
     assert "DPO lines are" in errors_of({"prompt": "p", "completion": "c"}, method="dpo")[0]
     same = {**line, "non_preferred_output": line["preferred_output"]}
     assert "are the same" in errors_of(same, method="dpo")[0]
-    tools = {**line, "input": {**line["input"], "tools": [{"type": "function", "function": {"name": "f"}}]}}
-    assert "input.tools: tools in DPO examples are not supported" in errors_of(tools, method="dpo")[0]
+    with_tools = {"input": {"messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": TOOLS},
+                  "preferred_output": [{"role": "assistant", "tool_calls": [CALL]}],
+                  "non_preferred_output": [{"role": "assistant", "content": "No idea."}]}
+    got = example(with_tools, "dpo")
+    assert got["tools"] == TOOLS and got["chosen"] == {"role": "assistant", "tool_calls": [CALL], "content": None}
+    two_calls = {**with_tools, "input": {**with_tools["input"], "parallel_tool_calls": False},
+                 "preferred_output": [{"role": "assistant", "tool_calls": [CALL, {**CALL, "id": "call_2"}]}]}
+    bad_tools = {**with_tools, "input": {**with_tools["input"], "tools": [{"type": "function"}]}}
+    for bad, error in (
+            (two_calls, "line 1: preferred_output[0].tool_calls holds 2 calls but input.parallel_tool_calls is false"),
+            (bad_tools, "line 1: input.tools[0] must be"),
+            ({**with_tools, "non_preferred_output": [{"role": "assistant", "tool_calls": []}]},
+             "line 1: non_preferred_output[0].tool_calls must be a non-empty list"),
+            ({**with_tools, "preferred_output": [{"role": "assistant", "tool_calls": [CALL], "weight": 1}]},
+             "line 1: unknown field 'preferred_output[0].weight'"),
+            ({**with_tools, "non_preferred_output": with_tools["preferred_output"]}, "are the same")):
+        assert error in errors_of(bad, method="dpo")[0], errors_of(bad, method="dpo")
     assert "preferred_output' must be a list of one assistant message" in errors_of(
         {**line, "preferred_output": []}, method="dpo")[0]

@@ -472,14 +472,15 @@ def _rows(job: dict, store: RecordStore, settings: Settings, tokenizer, param: s
 
 
 def _preference_rows(job: dict, store: RecordStore, settings: Settings, tokenizer, param: str, max_length: int):
-    """DPO pairs in TRL's conversational preference format (TRL applies the chat template and truncates to
-    max_length)."""
+    """DPO pairs in TRL's conversational preference format (TRL applies the chat template, with the line's tools,
+    and truncates to max_length). The tools go as JSON text, which TRL parses back: as a column of objects, Arrow
+    would merge every line's tool schemas into one type."""
     from datasets import Dataset
 
     plain = lambda messages: [{k: v for k, v in m.items() if k != "weight"} for m in messages]  # noqa: E731
     examples = read_examples(file_path(settings.artifact_root, job["tenant"], job[param]), "dpo")
-    return Dataset.from_list([{"prompt": plain(e["messages"]), "chosen": [e["chosen"]], "rejected": [e["rejected"]]}
-                              for e in examples])
+    return Dataset.from_list([{"prompt": plain(e["messages"]), "chosen": [e["chosen"]], "rejected": [e["rejected"]],
+                               "tools": json.dumps(e["tools"]) if e["tools"] else None} for e in examples])
 
 
 def _init_adapter_path(job: dict, settings: Settings) -> Path:
