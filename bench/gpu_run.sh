@@ -14,6 +14,7 @@
 #   suite     xpu-jobs doctor, then the tests that touch the device with XPUJOBS_TEST_BACKEND=cuda
 #   engine-check  bench.generation --check, then the engine (base and 4 mixed adapters) and plain generate
 #   decode-attention  the paged decode-attention kernel's launch configurations (bench/decode_attention.py)
+#   batch-sizes  the engine (both workloads) at decode batches of at most 256, 512 and 1024 rows
 #   profile   the shipped engine's device kernel time per kind and decode step against wall time (bench/profile_decode.py)
 #   training  fine-tuning throughput against a plain Trainer + PEFT script, with and without packing (bench/training.py)
 #   priority  live requests' time to first token while a batch runs in the same engine, at live and at batch
@@ -84,6 +85,11 @@ for s in "$@"; do
         --variants current:engine,current:engine-adapters,current:generate-bs256 --out "$OUT/h200-engine-check.json" ;;
     decode-attention)  # the paged decode-attention kernel alone, per launch configuration
       stage decode-attention 150 python3 -m bench.decode_attention --device cuda --out "$OUT/h200-decode-attention.json" ;;
+    batch-sizes)  # the engine at XPUJOBS_ENGINE_MAX_BATCH_SIZE 256, 512 and 1024, both workloads
+      for n in 256 512 1024; do
+        stage batch-$n 150 env XPUJOBS_ENGINE_MAX_BATCH_SIZE=$n python3 -m bench.generation --model qwen3-0.6b \
+          --device cuda --workloads current,long --variants engine --out "$OUT/h200-batch-$n.json"
+      done ;;
     profile)  # device kernel time per kind and step against wall time, the base and 4 mixed LoRA adapters
       stage profile 240 python3 -m bench.profile_decode --model qwen3-0.6b --device cuda --adapters 0,4 \
         --out "$OUT/h200-profile.json" ;;
