@@ -83,18 +83,22 @@ def greedy(prompt_ids, i, new=NEW, adapter=None, **kw):
     return GenerationRequest(str(i), prompt_ids, SamplingParams(max_new_tokens=new, temperature=0.0, **kw), adapter)
 
 
-@pytest.mark.parametrize("native,slots,prefill_tokens", [(True, 3, 2048), (True, 8, 32), (False, 3, 2048)],
-                         ids=["native", "native-chunked-prefill", "hf-fallback"])
-def test_greedy_matches_generate(model, tokenizer, native, slots, prefill_tokens):
+@pytest.mark.parametrize("native,slots,prefill_tokens,static",
+                         [(True, 3, 2048, None), (True, 8, 32, None), (False, 3, 2048, None), (False, 3, 32, True)],
+                         ids=["native", "native-chunked-prefill", "hf-fallback", "hf-fallback-static"])
+def test_greedy_matches_generate(model, tokenizer, native, slots, prefill_tokens, static):
     ps = prompts(7, seed=1) + [[7] * 45]  # different lengths; 45 > 32 exercises segmented prefill
     refs = [reference(model, p) for p in ps]
     seen = []
     with Engine(model, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=slots, native=native,
-                max_seq_len=128, prefill_tokens=prefill_tokens) as eng:
+                max_seq_len=128, prefill_tokens=prefill_tokens, static_fallback=static) as eng:
         # Different max_new_tokens stagger finishes, so requests join and leave between steps.
         reqs = [greedy(p, i, new=NEW - (i % 3)) for i, p in enumerate(ps)]
         res = eng.generate(reqs, on_result=seen.append)
         assert eng.stats["path"] == ("native" if native else "hf")
+        if not native:  # on cpu the dynamic batches unless asked (static_fallback=True: uncaptured static rows)
+            steps = eng.stats["fallback_static_steps" if static else "fallback_dynamic_steps"]
+            assert steps == eng.stats["decode_steps"] > 0
     assert sorted(r.request_id for r in seen) == sorted(r.request_id for r in res)
     for i, (r, ref) in enumerate(zip(res, refs)):
         n = NEW - (i % 3)
@@ -308,16 +312,19 @@ def test_mixed_lora_batch_matches_each_adapter_alone(tiny_dir, tokenizer, adapte
         assert r.output_ids == ref, (n, r.output_ids, ref)
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "hf-fallback"])
-def test_update_model_wraps_base_in_peft(tiny_dir, tokenizer, adapter_dirs, native):
+@pytest.mark.parametrize("native,static", [(True, None), (False, None), (False, True)],
+                         ids=["native", "hf-fallback", "hf-fallback-static"])
+def test_update_model_wraps_base_in_peft(tiny_dir, tokenizer, adapter_dirs, native, static):
     from peft import PeftModel
 
     base = load(tiny_dir)
     p = prompts(1, seed=3)[0]
     base_ref = reference(base, p)
     with Engine(base, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=4, max_seq_len=128,
-                native=native) as eng:
+                native=native, static_fallback=static) as eng:
         assert eng.generate([greedy(p, 0)])[0].output_ids == base_ref
+        if static:
+            assert eng.stats["fallback_decode"] == "static" and eng.stats["kv_cache_bytes"] > 0
         bad = eng.generate([greedy(p, 1, adapter="alpha")])[0]
         assert bad.finish_reason == "error" and "alpha" in bad.error
         with eng.model_lock:
@@ -328,6 +335,9 @@ def test_update_model_wraps_base_in_peft(tiny_dir, tokenizer, adapter_dirs, nati
         res = eng.generate([greedy(p, 2, adapter="alpha"), greedy(p, 3)])
         assert res[0].output_ids == alpha_ref
         assert res[1].output_ids == base_ref
+        if static:  # adapters are picked per row on the host: dynamic batches, the idle static buffers given back
+            assert eng.stats["fallback_decode"] == "dynamic" and eng.stats["kv_cache_bytes"] == 0
+            assert "adapters" in eng.stats["fallback_graphs"]
         with eng.model_lock:  # a second adapter loaded into the live PeftModel
             pm.load_adapter(adapter_dirs["beta"], adapter_name="beta")
             eng.update_model(pm)

@@ -116,3 +116,139 @@ def test_fallback_batch_grows_its_cache_in_place():
     assert res[-1].output_ids == alone.output_ids
     changes = sum(a != b for a, b in zip(storages, storages[1:]))
     assert len(storages) == steps and changes < steps / 3, (changes, steps)
+
+
+def static_run(model, reqs, **kw):
+    with Engine(model, None, device="cpu", memory_budget_bytes=kw.pop("budget", 64 * MB), max_seq_len=128,
+                static_fallback=True, **kw) as eng:
+        res = eng.generate(reqs)
+        return res, dict(eng.stats)
+
+
+def greedy_reqs(ps, news):
+    return [GenerationRequest(str(i), p, SamplingParams(max_new_tokens=n, temperature=0.0))
+            for i, (p, n) in enumerate(zip(ps, news))]
+
+
+def test_fallback_static_rows_join_and_leave_a_bucketed_batch():
+    """The static batch (what cuda/xpu capture, run uncaptured here): 9 requests through 4 slots, ending at
+    staggered steps, so rows leave and new ones take their slots while the others decode; steps run with padding
+    rows (3 live rows decode in the 4-row bucket) over a span wider than the rows use. Every row keeps generate's
+    tokens, and every decode step took the static batch."""
+    model = build("phi2")
+    ps = prompts(9, seed=3)
+    news = [NEW - i % 4 for i in range(len(ps))]
+    refs = [reference(model, p, n) for p, n in zip(ps, news)]
+    res, stats = static_run(model, greedy_reqs(ps, news), max_batch_size=4, prefill_tokens=64)
+    assert [r.output_ids for r in res] == refs
+    assert stats["fallback_decode"] == "static" and stats["fallback_graphs"] == "use_graphs off on cpu"
+    assert stats["fallback_static_steps"] == stats["decode_steps"] and stats["fallback_dynamic_steps"] == 0
+    assert stats["max_running"] == 4 and stats["decode_steps"] < sum(news) / 2
+    assert stats["decode_rows"] < 4 * stats["decode_steps"]  # some steps ran fewer live rows than the bucket
+
+
+def test_fallback_static_moves_rows_down_to_a_smaller_bucket():
+    """Short prompts take the low slots and end first; the two long-running rows left in slots 6 and 7 move to
+    slots 0 and 1 (the 2-row bucket instead of the 8-row one) and keep generate's tokens."""
+    model = build("phi2")
+    ps = [p[:3 + i] + [5] * i for i, p in enumerate(prompts(8, seed=5, lo=12, hi=13))]  # lengths 3..17 rising
+    news = [2] * 6 + [NEW, NEW]
+    refs = [reference(model, p, n) for p, n in zip(ps, news)]
+    res, stats = static_run(model, greedy_reqs(ps, news), max_batch_size=8)
+    assert [r.output_ids for r in res] == refs
+    assert stats["fallback_migrations"] == 2
+
+
+def test_fallback_static_request_at_capacity():
+    """A request whose last input token lands in the buffers' last column runs and gives generate's tokens beside
+    others; one needing a column more is refused with the budget's error. The budget here gives one slot of fewer
+    columns than max_seq_len (slots are halved first, as on the native path)."""
+    model = build("phi2")
+    probe_reqs = greedy_reqs(prompts(1, seed=6), [2])
+    budget = 812_032  # what the 64-token prefill workspace and ~100 columns of this model's KV take
+    _, stats = static_run(model, probe_reqs, budget=budget, max_batch_size=2, prefill_tokens=64)
+    cap = stats["fallback_static_columns"]
+    assert stats["fallback_static_slots"] == 1 and 16 < cap < 128
+    rng = random.Random(7)
+    fits = [rng.randrange(5, 300) for _ in range(cap - 4)]  # columns: cap - 4 prompt + 4 inputs = cap
+    over = fits + [9]
+    refs = [reference(model, fits, 5), reference(model, prompts(1, seed=8)[0], 3)]
+    res, stats = static_run(model, greedy_reqs([fits, prompts(1, seed=8)[0], over], [5, 3, 5]), budget=budget,
+                            max_batch_size=2, prefill_tokens=64)
+    assert [r.output_ids for r in res[:2]] == refs
+    assert res[2].finish_reason == "error" and "memory budget" in res[2].error
+    # at max_seq_len with the default budget: prompts of 126 and 127 tokens (128 - 1), both run to the end
+    long_ps = [[rng.randrange(5, 300) for _ in range(n)] for n in (126, 127)]
+    refs = [reference(model, p, n) for p, n in zip(long_ps, (3, 2))]
+    res, stats = static_run(model, greedy_reqs(long_ps + prompts(2, seed=9), [10, 10, 4, 4]), max_batch_size=4)
+    assert stats["fallback_static_columns"] == 128
+    assert [r.output_ids for r in res[:2]] == refs and [len(r.output_ids) for r in res[:2]] == [3, 2]
+    assert all(r.finish_reason == "length" for r in res)
+
+
+class _Replay:
+    """Stands in for a device graph on cpu: replay runs the captured body again."""
+
+    def __init__(self, body):
+        self.body = body
+
+    def replay(self):
+        self.body()
+
+
+def test_fallback_static_takes_the_graph_path_and_survives_a_failed_capture(monkeypatch):
+    """Where capture is on, every decode step replays a graph of its (rows bucket, span) and warm-up captures the
+    full bucket at every span; a capture that fails turns capture off, says why in stats, and the same requests
+    go on uncaptured with the same tokens."""
+    from worker.engine import graphs
+
+    model = build("phi2")
+    ps = prompts(9, seed=3)
+    news = [NEW - i % 4 for i in range(len(ps))]
+    refs = [reference(model, p, n) for p, n in zip(ps, news)]
+    captured = []
+
+    def capture(body, device, pool):
+        body()  # as graphs.capture: the body runs before capture, so running it more than once must be harmless
+        captured.append(body)
+        return _Replay(body)
+
+    monkeypatch.setattr(graphs, "new_pool", lambda backend: None)
+    monkeypatch.setattr(graphs, "capture", capture)
+    with Engine(model, None, device="cpu", memory_budget_bytes=64 * MB, max_seq_len=128, max_batch_size=4,
+                prefill_tokens=64, static_fallback=True) as eng:
+        with eng.model_lock:
+            eng.fallback.capture = True
+            eng.warmup()
+        warm = len(captured)
+        res = eng.generate(greedy_reqs(ps, news))
+        stats = dict(eng.stats)
+    assert warm == 1 and stats["graphs_captured"] == len(captured) > warm  # span 128 at 4 rows; then smaller buckets
+    assert [r.output_ids for r in res] == refs
+    assert stats["fallback_graph_steps"] == stats["decode_steps"] > 0 and stats["fallback_static_steps"] == 0
+
+    def broken(body, device, pool):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "capture", broken)
+    with Engine(model, None, device="cpu", memory_budget_bytes=64 * MB, max_seq_len=128, max_batch_size=4,
+                prefill_tokens=64, static_fallback=True) as eng:
+        with eng.model_lock:
+            eng.fallback.capture = True
+        res = eng.generate(greedy_reqs(ps, news))
+        stats = dict(eng.stats)
+    assert [r.output_ids for r in res] == refs
+    assert stats["fallback_graphs"].startswith("capture failed: RuntimeError") and stats["fallback_decode"] == "static"
+    assert stats["fallback_static_steps"] == stats["decode_steps"] and stats["fallback_graph_steps"] == 0
+
+
+def test_fallback_static_off_for_sliding_window_caches():
+    """Gemma-2's sliding-window layers cannot sit in the static buffers: its requests take the dynamic batches,
+    and stats say why."""
+    model = build("gemma2")
+    ps = prompts(3, seed=3)
+    refs = [reference(model, p, NEW) for p in ps]
+    res, stats = static_run(model, greedy_reqs(ps, [NEW] * 3), max_batch_size=4)
+    assert [r.output_ids for r in res] == refs
+    assert stats["fallback_decode"] == "dynamic" and "DynamicSlidingWindowLayer" in stats["fallback_graphs"]
+    assert stats["fallback_dynamic_steps"] == stats["decode_steps"] and stats["kv_cache_bytes"] == 0

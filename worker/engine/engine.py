@@ -118,7 +118,7 @@ class Engine(NativeRunner):
                  memory_fraction: float = DEFAULT_MEMORY_FRACTION, max_batch_size: int = 256,
                  use_graphs: bool | None = None, max_seq_len: int | None = None, prefill_tokens: int | None = None,
                  native: bool | None = None, kernels: str = "auto", block_size: int = BLOCK_SIZE,
-                 stream_interval: float = 0.0):
+                 stream_interval: float = 0.0, static_fallback: bool | None = None):
         self.device = torch.device(device)
         self.backend = self.device.type
         if self.backend not in ("cpu", "cuda", "xpu"):
@@ -141,6 +141,9 @@ class Engine(NativeRunner):
         if self.use_graphs and not graphs_available(self.backend):
             raise ValueError(f"use_graphs=True but torch {torch.__version__} has no graphs for {self.backend}")
         self._want_native = native
+        # the fallback path's decode over static buffers (fallback.py): None where device graphs are; True on cpu
+        # runs the same logic uncaptured (tests); False keeps the dynamic batches
+        self.static_fallback = static_fallback
         if kernels not in ("auto", "torch", "triton"):
             raise ValueError("kernels must be 'auto', 'torch' or 'triton'")
         self._want_attention = kernels
@@ -258,7 +261,9 @@ class Engine(NativeRunner):
         else:
             self.nat = None
             self._graphs = {}
-            if not reuse:
+            if reuse:
+                self.fallback.model_changed()
+            else:
                 self.fallback = FallbackPath(self)
 
     def _choose_attention(self) -> None:
@@ -469,10 +474,15 @@ class Engine(NativeRunner):
             self._setup(model, first=False)
 
     def warmup(self, lengths: list[int] | None = None, batch_sizes: list[int] | None = None) -> None:
-        """Capture decode graphs ahead of time (native path with graphs only), so no request waits for a capture
+        """Capture decode graphs ahead of time (where graphs are on), so no request waits for a capture
         (about 0.1 s each for a 0.6B model on an H200). A failure is left to the first real step, which falls back
-        (torch ops, then eager) and says why in stats."""
-        if self.path != "native" or not self.use_graphs:
+        (torch ops, then eager) and says why in stats. On the fallback path: its static decode buffers and graphs
+        (fallback.py)."""
+        if self.path != "native":
+            with self.model_lock, torch.no_grad():
+                self.fallback.warmup()
+            return
+        if not self.use_graphs:
             return
         with self.model_lock, torch.no_grad():
             lens = [0] if self._tri is not None else [length_bucket(n, self.max_seq_len)

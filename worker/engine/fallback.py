@@ -27,6 +27,7 @@ Requests are finished through engine.accept (a new token) and engine.finish; tok
 from __future__ import annotations
 
 import functools
+import heapq
 import inspect
 import logging
 import time
@@ -34,7 +35,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from worker.engine.device import HostTokens
+from worker.engine import graphs
+from worker.engine.device import HostTokens, to_device
 from worker.engine.sampling import pick
 
 if TYPE_CHECKING:
@@ -185,6 +187,168 @@ class _Batch:
             self.adapters = [self.adapters[i] for i in keep]
 
 
+@functools.cache
+def _static_layer() -> type:
+    """The class of the static batch's cache layers (transformers is imported where a fallback model runs)."""
+    from transformers.cache_utils import CacheLayerMixin
+
+    class StaticRowsLayer(CacheLayerMixin):
+        """One layer of the static batch: keys and values in [slots, heads, capacity, head_dim] buffers, each row
+        its own sequence from column 0 (so a token's column is its position). A decode step writes each row's
+        column at its position, read from a device tensor (a captured step needs no host value), and attends over
+        the first `span` columns. Compileable, as transformers' StaticLayer: the decode mask is then built on the
+        device, without the host-side check (fast_all) that would break capture."""
+
+        is_compileable = True
+        is_sliding = False
+
+        def __init__(self, k: torch.Tensor, v: torch.Tensor, batch: _Static):
+            super().__init__()
+            self.k_full, self.v_full, self.batch = k, v, batch
+            self.device = k.device
+            self.is_initialized = True
+
+        def lazy_initialization(self, key_states, value_states) -> None:
+            pass
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            b = self.batch
+            col = b.pos[:b.rows].to(self.device).view(-1, 1, 1, 1)
+            self.k_full[:b.rows].scatter_(2, col.expand_as(key_states), key_states)
+            self.v_full[:b.rows].scatter_(2, col.expand_as(value_states), value_states)
+            self.keys, self.values = self.k_full[:b.rows, :, :b.span], self.v_full[:b.rows, :, :b.span]
+            return self.keys, self.values
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.batch.span, 0
+
+        def get_seq_length(self) -> int:
+            # the query's offset for the causal part of the mask: past every column, so the padding mask (each row's
+            # written columns) alone decides
+            return self.batch.span - 1
+
+        def get_max_length(self) -> int:
+            return self.k_full.shape[2]
+
+    return StaticRowsLayer
+
+
+class _Static:
+    """The static batch: one row per slot in fixed buffers (keys and values per layer, the attention mask, each
+    row's next token and position), so a decode step has the same shapes and addresses every time and replays as a
+    device graph per (rows bucket, span bucket). Rows join into free slots (their prefilled cache copied to columns
+    0..prompt-1) and leave by freeing theirs; nothing else moves, except rows moved down to free low slots when
+    that shrinks the rows bucket. Slots past the live rows (up to the bucket) and freed slots decode garbage: every
+    row's column 0 stays attended (a prompt's first token, or the step's own write), so it stays finite, and a
+    joining row's mask hides what it left behind."""
+
+    def __init__(self, path: FallbackPath, layers, slots: int, cap: int, logits: torch.Tensor):
+        from transformers.cache_utils import Cache
+
+        dev = path.engine.device
+        self.path = path
+        self.slots, self.cap = slots, cap
+        self.k = [torch.zeros(slots, lay.keys.shape[1], cap, lay.keys.shape[3], dtype=lay.keys.dtype,
+                              device=lay.keys.device) for lay in layers]
+        self.v = [torch.zeros(slots, lay.values.shape[1], cap, lay.values.shape[3], dtype=lay.values.dtype,
+                              device=lay.values.device) for lay in layers]
+        self.mask = torch.zeros(slots, cap, dtype=torch.bool, device=dev)
+        self.pos = torch.zeros(slots, dtype=torch.int64, device=dev)  # each row's next input: its position, its column
+        self.ids = torch.zeros(slots, dtype=torch.int64, device=dev)
+        self.logits = logits.new_zeros(slots, logits.shape[-1])
+        self.rows, self.span = 1, 1  # what the layers read (set by body)
+        self.cache = Cache(layers=[_static_layer()(k, v, self) for k, v in zip(self.k, self.v)])
+        self.seqs: list[Sequence | None] = [None] * slots
+        self.free = list(range(slots))
+        self.pending: HostTokens | None = None
+        self.graphs: dict[tuple[int, int], object] = {}
+        self.pool = None
+        self.buckets = graphs.batch_buckets(slots)
+        self.nbytes = sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def held(self) -> bool:
+        return self.pending is not None or any(s is not None for s in self.seqs)
+
+    def reset(self) -> None:
+        """Every slot free, its state as at allocation (after a warm-up or the probe wrote into it)."""
+        self.mask.zero_()
+        self.pos.zero_()
+        self.ids.zero_()
+
+    def release_finished(self) -> None:
+        for i, s in enumerate(self.seqs):
+            if s is not None and s.finished:
+                self.seqs[i] = None
+                heapq.heappush(self.free, i)
+
+    def join(self, slots: list[int], plens: list[int], cache, toks: torch.Tensor) -> None:
+        """Rows of a left-padded prefill (`cache`'s rows, prompts of `plens` tokens) into `slots`: their keys and
+        values from column 0, their mask over their prompt, their first token and position."""
+        dev = self.mask.device
+        index = to_device(slots, torch.int64, dev)
+        plen = to_device(plens, torch.int64, dev)
+        width = cache.layers[0].keys.shape[2]
+        src = (torch.arange(width, device=dev)[None, :] + (width - plen)[:, None]).clamp_(max=width - 1)
+        for li, layer in enumerate(cache.layers):
+            for full, part in ((self.k[li], layer.keys), (self.v[li], layer.values)):
+                cols = src.to(part.device)[:, None, :, None].expand_as(part)
+                full[:, :, :width].index_copy_(0, index.to(part.device), part.gather(2, cols))
+        self.mask.index_copy_(0, index, torch.arange(self.cap, device=dev)[None, :] < plen[:, None])
+        self.pos.index_copy_(0, index, plen)
+        self.ids.index_copy_(0, index, toks)
+
+    def compact(self) -> int:
+        """Move the rows in slots at or past the live count down into free lower slots, when that shrinks the rows
+        bucket (one copy of their written columns per layer)."""
+        used = [i for i, s in enumerate(self.seqs) if s is not None]
+        n = len(used)
+        if not used or self.bucket(used[-1] + 1) <= self.bucket(n):
+            return 0
+        src = [i for i in used if i >= n]
+        dst = sorted(i for i in self.free if i < n)[:len(src)]
+        src = src[:len(dst)]
+        width = min(self.cap, max(s.prompt_len + s.n_launched for s in (self.seqs[i] for i in src)))
+        dev = self.mask.device
+        si, di = to_device(src, torch.int64, dev), to_device(dst, torch.int64, dev)
+        for buf in (*self.k, *self.v):
+            view = buf[:, :, :width]
+            view.index_copy_(0, di.to(buf.device), view.index_select(0, si.to(buf.device)))
+        for buf in (self.mask, self.pos, self.ids):
+            buf.index_copy_(0, di, buf.index_select(0, si))
+        for a, b in zip(src, dst):
+            seq = self.seqs[a]
+            self.seqs[b], self.seqs[a] = seq, None
+            seq.slot = b
+        self.free = sorted(set(self.free) - set(dst) | set(src))
+        return len(src)
+
+    def body(self, rows: int, span: int) -> None:
+        """One decode step for slots [0, rows) attending over columns [0, span): what a graph captures. Running it
+        again gives the same state (capture runs it first), so positions and tokens advance outside."""
+        path = self.path
+        self.rows, self.span = rows, span
+        self.mask[:rows].scatter_(1, self.pos[:rows, None], True)
+        kw = {"adapter_names": ["__base__"] * rows} if path.engine.is_peft else {}
+        logits = path._forward(self.cache, input_ids=self.ids[:rows, None], attention_mask=self.mask[:rows, :span],
+                               position_ids=self.pos[:rows, None], **kw)
+        self.logits[:rows].copy_(logits)
+
+    def graph(self, rows: int, span: int):
+        key = (rows, span)
+        if key not in self.graphs:
+            eng = self.path.engine
+            if self.pool is None:
+                self.pool = graphs.new_pool(eng.backend)
+            t0 = time.perf_counter()
+            self.graphs[key] = graphs.capture(lambda: self.body(rows, span), eng.device, self.pool)
+            eng.stats["graphs_captured"] += 1
+            eng.stats["graph_capture_seconds"] += time.perf_counter() - t0
+        return self.graphs[key]
+
+
 class FallbackPath:
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -200,19 +364,83 @@ class FallbackPath:
             raise ValueError(f"memory_budget_bytes={engine.budget} leaves no room for a KV cache after the "
                              f"{ws}-byte workspace")
         engine.stats.update(num_slots=engine.max_batch_size, max_seq_len=engine.max_seq_len,
-                            budget_bytes=engine.budget, kv_cache_bytes=0, workspace_estimate_bytes=ws)
+                            budget_bytes=engine.budget, kv_cache_bytes=0, workspace_estimate_bytes=ws,
+                            fallback_graph_steps=0, fallback_static_steps=0, fallback_dynamic_steps=0,
+                            fallback_migrations=0)
+        self._static: _Static | None = None
+        self._broken: str | None = None  # why the static batch failed at run time: it stays off for this model
+        self.capture = engine.use_graphs  # the static batch's steps replay graphs (else run uncaptured)
+        self._uncaptured = None if self.capture else f"use_graphs off on {engine.backend}"
+        self._static_why = self._static_reason()
+        self._report()
         # the engine's peak memory counts from here (on a GPU, the engine thread reads it after every step)
         engine._reset_peak()
         engine._mem_base = engine._allocated()
 
+    def _static_reason(self) -> str | None:
+        """Why new requests cannot take the static batch (they take today's dynamic batches), or None."""
+        eng = self.engine
+        cfg = eng.base.config
+        impl = getattr(cfg, "_attn_implementation", None)
+        if self._broken:
+            return self._broken
+        if eng.static_fallback is False:
+            return "static_fallback=False"
+        if eng.static_fallback is None and not eng.use_graphs:
+            return f"no device graphs on {eng.backend}"
+        if eng.is_peft:
+            return "adapters: PEFT picks them per row on the host"
+        if impl not in ("sdpa", "eager"):
+            return f"attn_implementation {impl!r}: its decode mask is checked on the host"
+        if getattr(eng.base, "is_quantized", False) or getattr(cfg, "quantization_config", None) is not None:
+            return "quantized base"
+        if any(p.device != eng.device for p in eng.model.parameters()):
+            return "the model is spread over devices"
+        return None
+
+    def _report(self) -> None:
+        """stats: how new decode steps run (fallback_decode) and whether they replay graphs, else why not."""
+        why = self._static_why
+        captured = why is None and self.capture
+        self.engine.stats.update(fallback_decode="graphs" if captured else "static" if why is None else "dynamic",
+                                 fallback_graphs=True if captured else why or self._uncaptured)
+
+    def _disable_static(self, why: str) -> None:
+        log.warning("engine: the fallback's static decode is off for this model (%s); using dynamic batches", why)
+        self._broken = why
+        self._static_why = why
+        self._report()
+
+    def model_changed(self) -> None:
+        """engine.update_model kept this path (same layout): graphs hold the old modules, and adapters may have come."""
+        self._static_why = self._static_reason()
+        if self._static is not None:
+            self._static.graphs = {}
+            self._drop_idle_static()
+        self._report()
+
+    def _drop_idle_static(self) -> None:
+        """A static batch new requests can no longer take gives its memory back once its rows are gone."""
+        if self._static is not None and self._static_why is not None and not self._static.held():
+            self._static = None
+            self.engine.stats["kv_cache_bytes"] = 0
+
     def has_work(self) -> bool:
-        return bool(self._batches)
+        return bool(self._batches) or (self._static is not None and self._static.held())
 
     def fail_all(self, error: str) -> None:
         for b in self._batches:
             for seq in b.seqs:
                 self.engine.finish(seq, "error", error)
         self._batches = []
+        st = self._static
+        if st is not None:
+            for seq in st.seqs:
+                if seq is not None:
+                    self.engine.finish(seq, "error", error)
+            st.pending = None
+            st.release_finished()
+            self._drop_idle_static()
 
     def _forward(self, cache, **kw):
         kw[self._cache_kwarg] = cache
@@ -220,14 +448,20 @@ class FallbackPath:
 
     def step(self) -> None:
         eng = self.engine
+        st = self._static
         cancels = eng.take_cancels()
         if cancels:
-            for b in self._batches:
-                for seq in b.seqs:
-                    if seq.req.request_id in cancels:
-                        eng.finish(seq, "cancelled")
+            seqs = [seq for b in self._batches for seq in b.seqs]
+            seqs += [seq for seq in st.seqs if seq is not None] if st is not None else []
+            for seq in seqs:
+                if seq.req.request_id in cancels:
+                    eng.finish(seq, "cancelled")
         for b in self._batches:
             self._decode(b)
+        if st is not None:
+            self._decode_static(st)
+            st.release_finished()
+            self._drop_idle_static()
         for b in list(self._batches):
             done = len(b.seqs) - b.live()
             if done == len(b.seqs) and b.pending is None:
@@ -236,20 +470,167 @@ class FallbackPath:
                 b.compact()
         self._admit()
 
+    def warmup(self) -> None:
+        """Allocate the static batch and capture its decode step for the full rows bucket at every span, so the
+        first requests wait for no capture. A failure here turns capture off (stats say why); serving goes on."""
+        if self._static_why is not None or not self.capture:
+            return
+        st = self._ensure_static()
+        if st is None:
+            return
+        cap = st.cap
+        try:
+            for span in sorted({graphs.length_bucket(n, cap) for n in range(1, cap + 1)}):
+                st.graph(st.buckets[-1], span)
+        except Exception as e:
+            self._capture_failed(e)
+        finally:
+            st.reset()
+
+    def _capture_failed(self, e: Exception) -> None:
+        log.warning("engine: capturing the fallback's decode step failed (%s: %s); running it uncaptured",
+                    type(e).__name__, e)
+        self.capture = False
+        self._uncaptured = f"capture failed: {type(e).__name__}: {e}"
+        if self._static is not None:
+            self._static.graphs = {}
+        self.engine.sync()
+        self._report()
+
+    def _ensure_static(self) -> _Static | None:
+        """The static batch, allocated on first use after a probe: a 3-token prompt's next step through the static
+        rows must give the model's own logits (through a DynamicCache), else the static batch stays off."""
+        if self._static is None:
+            try:
+                self._static = self._new_static()
+            except Exception as e:
+                log.exception("engine: the fallback's static batch failed its probe")
+                self._disable_static(f"probe failed: {type(e).__name__}: {e}")
+            if self._static is not None:
+                self.engine.stats.update(kv_cache_bytes=self._static.nbytes, fallback_static_slots=self._static.slots,
+                                         fallback_static_columns=self._static.cap)
+        return self._static
+
+    def _new_static(self) -> _Static | None:
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        eng = self.engine
+        dev = eng.device
+        ids = torch.tensor([[t % eng.vocab_size for t in (1, 2, 3)]], device=dev)
+        cache = DynamicCache(config=eng.base.config)
+        logits = self._forward(cache, input_ids=ids, attention_mask=torch.ones_like(ids),
+                               position_ids=torch.arange(3, device=dev)[None])
+        layers = cache.layers
+        kinds = {type(lay).__name__ for lay in layers if type(lay) is not DynamicLayer or lay.keys is None}
+        if not layers or kinds:
+            self._disable_static(f"cache layers {sorted(kinds)} are not plain full attention")
+            return None
+        # Sizing: every slot holds `cap` columns, in what the KV budget leaves after one prefill piece's cache (it
+        # sits beside the buffers until copied in) and the logits; as the native path, fewer slots where the
+        # budget cannot give each slot max_seq_len.
+        per = sum((lay.keys[0, :, 0].numel() + lay.values[0, :, 0].numel()) * lay.keys.element_size()
+                  for lay in layers)
+        tokens = (self._kv_budget - eng.prefill_tokens * per - eng.max_batch_size * eng.vocab_size * 8) // per
+        slots = eng.max_batch_size
+        while slots > 1 and tokens // slots < eng.max_seq_len:
+            slots //= 2
+        cap = min(eng.max_seq_len, tokens // slots)
+        if cap < 2:
+            self._disable_static(f"the KV budget ({self._kv_budget} bytes) leaves no room for static rows")
+            return None
+        st = _Static(self, layers, slots, cap, logits)
+        nxt = logits.argmax(-1)
+        st.join([0], [3], cache, nxt)
+        ref = self._forward(cache, input_ids=nxt[:, None], attention_mask=torch.ones(1, 4, dtype=torch.int64,
+                                                                                     device=dev),
+                            position_ids=torch.tensor([[3]], device=dev))
+        st.body(1, graphs.length_bucket(4, cap))
+        got, ref = st.logits[:1].float(), ref.float()
+        err = float((got - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
+        st.reset()
+        # float32 gives the same logits to rounding; 16-bit types leave room for another attention kernel's (the
+        # masked one over the span against the unmasked one over 4 columns)
+        if not err <= (1e-3 if logits.dtype == torch.float32 else 0.1):
+            self._disable_static(f"its decode step's logits differ from the model's own by {err:.3g} (relative)")
+            return None
+        log.info("engine: fallback static batch of %d slots x %d columns (%d bytes)", slots, cap, st.nbytes)
+        return st
+
+    def _decode_static(self, st: _Static) -> None:
+        """_decode for the static batch: one step for its slots up to the live rows' bucket, over the columns up to
+        the longest row's bucket, as a graph replay where capture is on."""
+        eng = self.engine
+        old, st.pending = st.pending, None
+        st.release_finished()
+        rows = [(i, s) for i, s in enumerate(st.seqs) if s is not None and not s.finished]
+        if not any(s.n_launched < s.limit for _, s in rows):
+            if old is not None:
+                self._accept(old)
+            return
+        t0 = time.perf_counter()
+        moved = st.compact()
+        if moved:
+            eng.stats["fallback_migrations"] += moved
+            rows = [(i, s) for i, s in enumerate(st.seqs) if s is not None and not s.finished]
+        R = st.bucket(max(i for i, _ in rows) + 1)
+        span = graphs.length_bucket(max(s.prompt_len + s.n_launched for _, s in rows), st.cap)
+        self._run_static(st, R, span)
+        if old is not None and any(s.logits is not None and s.logits.constrained for _, s in rows):
+            self._accept(old)
+            old = None
+        toks = pick(st.logits[:R], None, rows, [s.n_launched for _, s in rows])
+        st.ids[:R].copy_(toks)
+        st.pos[:R].add_(1).clamp_(max=st.cap - 1)  # a garbage row's column stays inside the buffers
+        for _, s in rows:
+            s.n_launched += 1
+        st.pending = HostTokens(toks, rows, eng.backend)
+        if old is not None:
+            self._accept(old)
+        live = sum(not s.finished for _, s in rows)
+        eng.stats["decode_steps"] += 1
+        eng.stats["decode_rows"] += live
+        eng.stats["max_running"] = max(eng.stats["max_running"], live)
+        eng.stats["decode_seconds"] += time.perf_counter() - t0
+
+    def _run_static(self, st: _Static, rows: int, span: int) -> None:
+        eng = self.engine
+        if self.capture and not eng.is_peft:
+            try:
+                st.graph(rows, span).replay()
+                eng.stats["fallback_graph_steps"] += 1
+                return
+            except Exception as e:
+                self._capture_failed(e)
+        try:
+            st.body(rows, span)
+        except Exception as e:
+            self._disable_static(f"decode failed: {type(e).__name__}: {e}")
+            raise
+        eng.stats["fallback_static_steps"] += 1
+
     def _accept(self, out: HostTokens) -> None:
         host = out.tokens()
         for i, seq in out.rows:
             self.engine.accept(seq, host[i])
 
     def _admit(self) -> None:
-        """Waiting requests join while rows and the KV budget allow: the budget bounds rows x (width + the longest
-        output still to come), what the merged cache may grow to."""
+        """Waiting requests join the static batch where it is on, else a dynamic batch while rows and the KV budget
+        allow: the budget (less the static batch's buffers, if one is still there) bounds rows x (width + the
+        longest output still to come), what the merged cache may grow to."""
         eng = self.engine
         room = eng.max_batch_size - sum(b.live() for b in self._batches)
+        if self._static_why is None:
+            st = self._ensure_static()
+            if st is not None:
+                self._admit_static(st, min(room, len(st.free)))
+                return
+        st = self._static
+        room -= sum(s is not None and not s.finished for s in st.seqs) if st is not None else 0
         if room <= 0:
             return
         cands = eng.pop_waiting(room)
-        budget = self._kv_budget // eng.kv_bytes_per_token
+        budget = (self._kv_budget - (st.nbytes if st is not None else 0)) // eng.kv_bytes_per_token
         rows = sum(len(b.seqs) for b in self._batches)
         width = max((b.width for b in self._batches), default=0)
         reach = max((s.limit - s.n_launched for b in self._batches for s in b.seqs if not s.finished), default=0)
@@ -271,15 +652,9 @@ class FallbackPath:
         eng.push_back([s for s in cands if id(s) not in settled and not s.finished])
         if not chunk:
             return
-        chunk.sort(key=lambda s: s.prompt_len)  # for the pieces below
         t0 = time.perf_counter()
         fresh: list[_Batch] = []
-        i = 0
-        while i < len(chunk):  # pieces of at most prefill_tokens padded tokens (sorted, so the last is the longest)
-            j = i + 1
-            while j < len(chunk) and (j + 1 - i) * chunk[j].prompt_len <= eng.prefill_tokens:
-                j += 1
-            piece, i = chunk[i:j], j
+        for piece in self._pieces(chunk):
             try:
                 fresh.append(self._prefill(piece))
             except Exception as e:
@@ -300,6 +675,58 @@ class FallbackPath:
                 into = joining.pop(0)
                 self._batches.append(into)
             into.merge(joining)
+        eng.stats["prefill_seconds"] += time.perf_counter() - t0
+
+    def _pieces(self, chunk: list[Sequence]):
+        """`chunk` in prefill calls of at most prefill_tokens padded tokens (sorted by length, so each piece's last
+        prompt is its longest)."""
+        chunk = sorted(chunk, key=lambda s: s.prompt_len)
+        i = 0
+        while i < len(chunk):
+            j = i + 1
+            while j < len(chunk) and (j + 1 - i) * chunk[j].prompt_len <= self.engine.prefill_tokens:
+                j += 1
+            yield chunk[i:j]
+            i = j
+
+    def _admit_static(self, st: _Static, room: int) -> None:
+        """Up to `room` waiting requests into free slots of the static batch: each piece is prefilled through a
+        DynamicCache and copied into its slots at once (so one piece's cache is alive at a time), then the first
+        tokens of all pieces are read."""
+        eng = self.engine
+        if room <= 0:
+            return
+        chunk = []
+        for s in eng.pop_waiting(room):
+            if s.prompt_len + s.limit - 1 > st.cap:  # columns: the prompt and every output token but the last
+                eng.finish(s, "error", f"the prompt plus max_new_tokens needs "
+                                       f"{(s.prompt_len + s.limit) * eng.kv_bytes_per_token} bytes of KV cache, "
+                                       f"more than the memory budget allows ({self._kv_budget})")
+            else:
+                chunk.append(s)
+        if not chunk:
+            return
+        t0 = time.perf_counter()
+        firsts = []
+        for piece in self._pieces(chunk):
+            slots = []
+            try:
+                b = self._prefill(piece)
+                slots = [heapq.heappop(st.free) for _ in piece]
+                st.join(slots, [s.prompt_len for s in piece], b.cache, b.next)
+            except Exception as e:
+                log.exception("prefill failed")
+                for slot in slots:
+                    heapq.heappush(st.free, slot)
+                for seq in piece:
+                    eng.finish(seq, "error", f"prefill failed: {type(e).__name__}: {e}")
+                continue
+            for slot, seq in zip(slots, piece):
+                seq.slot = slot
+                st.seqs[slot] = seq
+            firsts.append(b.pending)
+        for out in firsts:
+            self._accept(out)
         eng.stats["prefill_seconds"] += time.perf_counter() - t0
 
     def _prefill(self, chunk: list[Sequence]) -> _Batch:
@@ -368,6 +795,7 @@ class FallbackPath:
             self._accept(old)
         live = b.live()
         eng.stats["decode_steps"] += 1
+        eng.stats["fallback_dynamic_steps"] += 1
         eng.stats["decode_rows"] += live
         eng.stats["max_running"] = max(eng.stats["max_running"], live)
         eng.stats["decode_seconds"] += time.perf_counter() - t0
