@@ -327,6 +327,9 @@ def run_engine(ctx, cold: bool, eng: Engine | None = None, adapters: list[str | 
     res = {"tokens": sum(r.completion_tokens for r in results), "seconds": secs, "steps": steps,
            "peak_memory_bytes": dev.peak(), "peak_reserved_bytes": dev.peak_reserved(),
            "path": eng.path, "fallback_reason": s.get("fallback_reason"),
+           # on the fallback path: how its decode steps ran (graphs / static uncaptured / dynamic), and why not graphs
+           "fallback_decode": s.get("fallback_decode"), "fallback_graphs": s.get("fallback_graphs"),
+           "fallback_graph_steps": s.get("fallback_graph_steps", 0) - before.get("fallback_graph_steps", 0),
            "engine_init_seconds": ctx.get("engine_init_seconds"),
            "mean_batch": (s["decode_rows"] - before["decode_rows"]) / max(1, steps),
            "prefill_seconds_host": s["prefill_seconds"] - before["prefill_seconds"],

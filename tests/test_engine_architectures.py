@@ -133,13 +133,21 @@ def greedy_reqs(ps, news):
 def test_fallback_static_rows_join_and_leave_a_bucketed_batch():
     """The static batch (what cuda/xpu capture, run uncaptured here): 9 requests through 4 slots, ending at
     staggered steps, so rows leave and new ones take their slots while the others decode; steps run with padding
-    rows (3 live rows decode in the 4-row bucket) over a span wider than the rows use. Every row keeps generate's
-    tokens, and every decode step took the static batch."""
+    rows (3 live rows decode in the 4-row bucket) over a span wider than the rows use. Every greedy row keeps
+    generate's tokens (one asks for logprobs), a seeded sampled row the tokens it gets alone, and every decode step
+    took the static batch."""
     model = build("phi2")
     ps = prompts(9, seed=3)
     news = [NEW - i % 4 for i in range(len(ps))]
     refs = [reference(model, p, n) for p, n in zip(ps, news)]
-    res, stats = static_run(model, greedy_reqs(ps, news), max_batch_size=4, prefill_tokens=64)
+    sampled = GenerationRequest("s", ps[0], SamplingParams(max_new_tokens=NEW, temperature=0.9, seed=7))
+    alone, _ = static_run(model, [sampled], max_batch_size=4)
+    reqs = greedy_reqs(ps, news)
+    reqs[3].params.logprobs = 1
+    res, stats = static_run(model, [*reqs, sampled], max_batch_size=4, prefill_tokens=64)
+    assert res[-1].output_ids == alone[0].output_ids
+    assert [t for t, _, _ in res[3].logprobs] == refs[3]
+    res = res[:-1]
     assert [r.output_ids for r in res] == refs
     assert stats["fallback_decode"] == "static" and stats["fallback_graphs"] == "use_graphs off on cpu"
     assert stats["fallback_static_steps"] == stats["decode_steps"] and stats["fallback_dynamic_steps"] == 0
@@ -160,28 +168,28 @@ def test_fallback_static_moves_rows_down_to_a_smaller_bucket():
 
 
 def test_fallback_static_request_at_capacity():
-    """A request whose last input token lands in the buffers' last column runs and gives generate's tokens beside
-    others; one needing a column more is refused with the budget's error. The budget here gives one slot of fewer
-    columns than max_seq_len (slots are halved first, as on the native path)."""
+    """A budget that gives 2 slots fewer columns than max_seq_len (keeping one max_seq_len request's worth out of
+    the buffers): a request whose last input token lands in a slot's last column runs in the static batch, one
+    needing a column more runs beside it in a dynamic batch, and both give generate's tokens. With the default
+    budget, slots of max_seq_len columns: prompts of max_seq_len - 2 and - 1 tokens run to the end there."""
     model = build("phi2")
-    probe_reqs = greedy_reqs(prompts(1, seed=6), [2])
-    budget = 812_032  # what the 64-token prefill workspace and ~100 columns of this model's KV take
-    _, stats = static_run(model, probe_reqs, budget=budget, max_batch_size=2, prefill_tokens=64)
+    budget = 964_608  # the 64-token prefill workspace, one piece's cache, the logits and 249 tokens of KV
+    _, stats = static_run(model, greedy_reqs(prompts(1, seed=6), [2]), budget=budget, max_batch_size=2,
+                          prefill_tokens=64)
     cap = stats["fallback_static_columns"]
-    assert stats["fallback_static_slots"] == 1 and 16 < cap < 128
+    assert stats["fallback_static_slots"] == 2 and 32 <= cap < 128, cap
     rng = random.Random(7)
-    fits = [rng.randrange(5, 300) for _ in range(cap - 4)]  # columns: cap - 4 prompt + 4 inputs = cap
+    fits = [rng.randrange(5, 300) for _ in range(cap - 4)]  # cap - 4 prompt columns + 4 decode inputs = cap
     over = fits + [9]
-    refs = [reference(model, fits, 5), reference(model, prompts(1, seed=8)[0], 3)]
-    res, stats = static_run(model, greedy_reqs([fits, prompts(1, seed=8)[0], over], [5, 3, 5]), budget=budget,
-                            max_batch_size=2, prefill_tokens=64)
-    assert [r.output_ids for r in res[:2]] == refs
-    assert res[2].finish_reason == "error" and "memory budget" in res[2].error
-    # at max_seq_len with the default budget: prompts of 126 and 127 tokens (128 - 1), both run to the end
+    refs = [reference(model, fits, 5), reference(model, over, 5)]
+    res, stats = static_run(model, greedy_reqs([fits, over], [5, 5]), budget=budget, max_batch_size=2,
+                            prefill_tokens=64)
+    assert [r.output_ids for r in res] == refs
+    assert stats["fallback_static_steps"] == stats["fallback_dynamic_steps"] == 4
     long_ps = [[rng.randrange(5, 300) for _ in range(n)] for n in (126, 127)]
     refs = [reference(model, p, n) for p, n in zip(long_ps, (3, 2))]
     res, stats = static_run(model, greedy_reqs(long_ps + prompts(2, seed=9), [10, 10, 4, 4]), max_batch_size=4)
-    assert stats["fallback_static_columns"] == 128
+    assert stats["fallback_static_columns"] == 128 and stats["fallback_dynamic_steps"] == 0
     assert [r.output_ids for r in res[:2]] == refs and [len(r.output_ids) for r in res[:2]] == [3, 2]
     assert all(r.finish_reason == "length" for r in res)
 
@@ -252,3 +260,43 @@ def test_fallback_static_off_for_sliding_window_caches():
     assert [r.output_ids for r in res] == refs
     assert stats["fallback_decode"] == "dynamic" and "DynamicSlidingWindowLayer" in stats["fallback_graphs"]
     assert stats["fallback_dynamic_steps"] == stats["decode_steps"] and stats["kv_cache_bytes"] == 0
+
+
+def test_fallback_static_failures_leave_the_dynamic_batches_serving(monkeypatch):
+    """A static batch whose probe step disagrees with the model's own forward is never used; one whose step fails
+    at run time fails the requests of that step, gives its buffers back, and later requests take the dynamic
+    batches with generate's tokens."""
+    from worker.engine import fallback
+
+    model = build("phi2")
+    ps = prompts(6, seed=10)
+    refs = [reference(model, p, NEW) for p in ps]
+    body = fallback._Static.body
+
+    def wrong(self, rows, span):
+        body(self, rows, span)
+        self.logits[:rows] += 1.0  # what a cache layer writing the wrong column would look like
+
+    monkeypatch.setattr(fallback._Static, "body", wrong)
+    res, stats = static_run(model, greedy_reqs(ps[:2], [NEW] * 2), max_batch_size=4)
+    assert [r.output_ids for r in res] == refs[:2]
+    assert stats["fallback_decode"] == "dynamic" and "differ" in stats["fallback_graphs"]
+    assert stats["fallback_static_steps"] == 0 and stats["kv_cache_bytes"] == 0
+
+    monkeypatch.setattr(fallback._Static, "body", body)
+    with Engine(model, None, device="cpu", memory_budget_bytes=64 * MB, max_seq_len=128, max_batch_size=4,
+                static_fallback=True) as eng:
+        assert [r.output_ids for r in eng.generate(greedy_reqs(ps[:2], [NEW] * 2))] == refs[:2]
+        assert eng.stats["fallback_decode"] == "static" and eng.stats["kv_cache_bytes"] > 0
+
+        def broken(self, rows, span):
+            raise RuntimeError("device lost")
+
+        monkeypatch.setattr(fallback._Static, "body", broken)
+        failed = eng.generate(greedy_reqs(ps[2:4], [NEW] * 2))
+        assert all(r.finish_reason == "error" and "device lost" in r.error for r in failed)
+        res = eng.generate(greedy_reqs(ps[4:], [NEW] * 2))
+        stats = dict(eng.stats)
+    assert [r.output_ids for r in res] == refs[4:]
+    assert stats["fallback_decode"] == "dynamic" and stats["fallback_graphs"].startswith("decode failed")
+    assert stats["fallback_dynamic_steps"] > 0 and stats["kv_cache_bytes"] == 0

@@ -272,12 +272,6 @@ class _Static:
     def held(self) -> bool:
         return self.pending is not None or any(s is not None for s in self.seqs)
 
-    def reset(self) -> None:
-        """Every slot free, its state as at allocation (after a warm-up or the probe wrote into it)."""
-        self.mask.zero_()
-        self.pos.zero_()
-        self.ids.zero_()
-
     def release_finished(self) -> None:
         for i, s in enumerate(self.seqs):
             if s is not None and s.finished:
@@ -478,14 +472,14 @@ class FallbackPath:
         st = self._ensure_static()
         if st is None:
             return
+        # The captures run the step on whatever the slots hold: running rows (warmup after update_model) get the
+        # same column written as their next step will write, free ones garbage, as ever.
         cap = st.cap
         try:
             for span in sorted({graphs.length_bucket(n, cap) for n in range(1, cap + 1)}):
                 st.graph(st.buckets[-1], span)
         except Exception as e:
             self._capture_failed(e)
-        finally:
-            st.reset()
 
     def _capture_failed(self, e: Exception) -> None:
         log.warning("engine: capturing the fallback's decode step failed (%s: %s); running it uncaptured",
@@ -526,16 +520,21 @@ class FallbackPath:
         if not layers or kinds:
             self._disable_static(f"cache layers {sorted(kinds)} are not plain full attention")
             return None
-        # Sizing: every slot holds `cap` columns, in what the KV budget leaves after one prefill piece's cache (it
-        # sits beside the buffers until copied in) and the logits; as the native path, fewer slots where the
-        # budget cannot give each slot max_seq_len.
+        # Sizing: max_batch_size slots of `cap` columns each, in what the KV budget leaves after one prefill piece's
+        # cache (it sits beside the buffers until copied in) and the logits. Where that is under max_seq_len
+        # columns, one max_seq_len request's worth stays out of the buffers: requests longer than a slot take a
+        # dynamic batch there. Fewer slots only where a slot would get under a quarter of max_seq_len.
         per = sum((lay.keys[0, :, 0].numel() + lay.values[0, :, 0].numel()) * lay.keys.element_size()
                   for lay in layers)
         tokens = (self._kv_budget - eng.prefill_tokens * per - eng.max_batch_size * eng.vocab_size * 8) // per
         slots = eng.max_batch_size
-        while slots > 1 and tokens // slots < eng.max_seq_len:
+        while True:
+            cap = min(eng.max_seq_len, tokens // slots)
+            if cap < eng.max_seq_len:
+                cap = (tokens - eng.max_seq_len - 1) // slots
+            if slots == 1 or cap >= eng.max_seq_len // 4:
+                break
             slots //= 2
-        cap = min(eng.max_seq_len, tokens // slots)
         if cap < 2:
             self._disable_static(f"the KV budget ({self._kv_budget} bytes) leaves no room for static rows")
             return None
@@ -545,10 +544,9 @@ class FallbackPath:
         ref = self._forward(cache, input_ids=nxt[:, None], attention_mask=torch.ones(1, 4, dtype=torch.int64,
                                                                                      device=dev),
                             position_ids=torch.tensor([[3]], device=dev))
-        st.body(1, graphs.length_bucket(4, cap))
+        st.body(1, graphs.length_bucket(4, cap))  # slot 0 is left as a finished row leaves its slot
         got, ref = st.logits[:1].float(), ref.float()
         err = float((got - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
-        st.reset()
         # float32 gives the same logits to rounding; 16-bit types leave room for another attention kernel's (the
         # masked one over the span against the unmasked one over 4 columns)
         if not err <= (1e-3 if logits.dtype == torch.float32 else 0.1):
@@ -615,21 +613,27 @@ class FallbackPath:
             self.engine.accept(seq, host[i])
 
     def _admit(self) -> None:
-        """Waiting requests join the static batch where it is on, else a dynamic batch while rows and the KV budget
-        allow: the budget (less the static batch's buffers, if one is still there) bounds rows x (width + the
-        longest output still to come), what the merged cache may grow to."""
+        """Waiting requests join the static batch where it is on and they fit its columns (those beyond its free
+        slots wait for one); the others (all, where it is off) a dynamic batch while rows and the KV budget allow:
+        the budget (less the static batch's buffers, if there is one) bounds rows x (width + the longest output
+        still to come), what the merged cache may grow to."""
         eng = self.engine
+        st = self._ensure_static() if self._static_why is None else self._static
         room = eng.max_batch_size - sum(b.live() for b in self._batches)
-        if self._static_why is None:
-            st = self._ensure_static()
-            if st is not None:
-                self._admit_static(st, min(room, len(st.free)))
-                return
-        st = self._static
         room -= sum(s is not None and not s.finished for s in st.seqs) if st is not None else 0
         if room <= 0:
             return
         cands = eng.pop_waiting(room)
+        if st is not None and self._static_why is None:
+            fit = [s for s in cands if s.prompt_len + s.limit - 1 <= st.cap]  # every column but the last token's
+            cands = [s for s in cands if s.prompt_len + s.limit - 1 > st.cap]
+            eng.push_back(fit[len(st.free):])
+            self._admit_static(st, fit[:len(st.free)])
+        if cands:
+            self._admit_dynamic(cands, st)
+
+    def _admit_dynamic(self, cands: list[Sequence], st: _Static | None) -> None:
+        eng = self.engine
         budget = (self._kv_budget - (st.nbytes if st is not None else 0)) // eng.kv_bytes_per_token
         rows = sum(len(b.seqs) for b in self._batches)
         width = max((b.width for b in self._batches), default=0)
@@ -689,21 +693,11 @@ class FallbackPath:
             yield chunk[i:j]
             i = j
 
-    def _admit_static(self, st: _Static, room: int) -> None:
-        """Up to `room` waiting requests into free slots of the static batch: each piece is prefilled through a
-        DynamicCache and copied into its slots at once (so one piece's cache is alive at a time), then the first
-        tokens of all pieces are read."""
+    def _admit_static(self, st: _Static, chunk: list[Sequence]) -> None:
+        """`chunk` into free slots of the static batch: each piece is prefilled through a DynamicCache and copied
+        into its slots at once (so one piece's cache is alive at a time), then the first tokens of all pieces are
+        read."""
         eng = self.engine
-        if room <= 0:
-            return
-        chunk = []
-        for s in eng.pop_waiting(room):
-            if s.prompt_len + s.limit - 1 > st.cap:  # columns: the prompt and every output token but the last
-                eng.finish(s, "error", f"the prompt plus max_new_tokens needs "
-                                       f"{(s.prompt_len + s.limit) * eng.kv_bytes_per_token} bytes of KV cache, "
-                                       f"more than the memory budget allows ({self._kv_budget})")
-            else:
-                chunk.append(s)
         if not chunk:
             return
         t0 = time.perf_counter()
