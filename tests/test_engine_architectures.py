@@ -300,3 +300,46 @@ def test_fallback_static_failures_leave_the_dynamic_batches_serving(monkeypatch)
     assert [r.output_ids for r in res] == refs[4:]
     assert stats["fallback_decode"] == "dynamic" and stats["fallback_graphs"].startswith("decode failed")
     assert stats["fallback_dynamic_steps"] > 0 and stats["kv_cache_bytes"] == 0
+
+
+@pytest.mark.parametrize("kind,attention", [("phi2", "sdpa"), ("phi2", "eager"), ("mistral", "sdpa")])
+def test_fallback_static_step_reads_nothing_on_the_host(kind, attention):
+    """What a device graph cannot capture is a host read of a tensor's value (.item(), a tensor in an `if`, nonzero):
+    the static batch's decode step (the body a graph captures) makes none, for the model's own forward with sdpa
+    or eager attention and with grouped KV heads (mistral, run through its own forward); with sdpa the dynamic
+    batches' step makes one (transformers checks the padding mask on the host to skip it), so the check can fail."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import DynamicCache
+
+    reads = {torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero, torch.ops.aten.is_nonzero,
+             torch.ops.aten.equal}
+
+    class HostReads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in reads:
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    model = build(kind)
+    model.config._attn_implementation = attention
+    with Engine(model, None, device="cpu", memory_budget_bytes=64 * MB, max_seq_len=128, max_batch_size=4,
+                static_fallback=True, native=False) as eng:
+        res = eng.generate(greedy_reqs(prompts(3, seed=11), [4, 4, 4]))
+        assert eng.stats["fallback_static_steps"] == eng.stats["decode_steps"] > 0
+        with eng.model_lock, torch.no_grad():
+            static = HostReads()
+            with static:
+                eng.fallback._static.body(4, 128)
+            cache = DynamicCache(config=model.config)
+            eng.fallback._forward(cache, input_ids=torch.tensor([[5, 6], [0, 7]]),
+                                  attention_mask=torch.tensor([[1, 1], [0, 1]]))
+            dynamic = HostReads()
+            with dynamic:
+                eng.fallback._forward(cache, input_ids=torch.tensor([[8], [9]]),
+                                      attention_mask=torch.tensor([[1, 1, 1], [0, 1, 1]]))
+    assert all(r.error is None for r in res)
+    assert static.seen == [] and bool(dynamic.seen) == (attention == "sdpa"), (static.seen, dynamic.seen)
