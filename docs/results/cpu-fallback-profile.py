@@ -75,6 +75,11 @@ def split_forward(cache, **kw):
 fb._forward = split_forward
 fb.step = timed("step() itself (cancels, dropping rows)", fb.step)
 fb._decode = timed("_decode itself (row loops, positions, stats)", fb._decode)
+if hasattr(fb, "_decode_static"):  # the static batch (cuda/xpu): its step, the replay (or the uncaptured step)
+    fb._decode_static = timed("_decode_static itself (row loops, positions, stats)", fb._decode_static)
+    fb._run_static = timed("_run_static (graph replay, capture, or the uncaptured step)", fb._run_static)
+    for name in ("join", "compact", "release_finished"):
+        setattr(fallback._Static, name, timed(f"_Static.{name}", getattr(fallback._Static, name)))
 fb._admit = timed("_admit itself (which requests join)", fb._admit)
 fb._prefill = timed("_prefill itself (prompts to tensors)", fb._prefill)
 eng.accept = timed("engine.accept", eng.accept)

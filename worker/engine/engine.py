@@ -14,7 +14,8 @@ Parts (worker/engine/):
   sampling.py      logits -> tokens (greedy, temperature/top-p with seeded counter-based noise)
   logits.py        per-request logits processing: logit_bias, penalties, grammar masks, logprobs
   grammar.py       constrained decoding with xgrammar (JSON, JSON schema, forced tool calls)
-  fallback.py      any other causal LM through its own forward (cohorts with a DynamicCache)
+  fallback.py      any other causal LM through its own forward (a static batch replayed as device graphs where
+                   the model allows, else merged dynamic batches)
   device.py        backend helpers
   messages.py, process.py, model_cache.py  the engine process a worker node talks to through a pipe
 

@@ -1,26 +1,56 @@
 """The fallback path: any causal LM the native decoder does not cover (other architectures, quantized or
-multi-device bases, adapters other than plain LoRA), run through the model's own forward with a DynamicCache.
+multi-device bases, adapters other than plain LoRA), run through the model's own forward.
 
 Why it is shaped this way: the model's own forward costs tens of milliseconds of host time per step whatever the
-batch, so throughput is rows per step. Every request therefore joins one running batch: new requests are prefilled
-(left padded, in pieces of at most prefill_tokens, launched back to back) and their caches merged into the running
-one at once, left padded to a common width, in buffers with room for every column its rows may still take: a decode
-step writes its column in place, where a DynamicLayer copies its whole cache every step (torch.cat: most of a 256-row
-decode step's time on cpu, docs/results/cpu-fallback-profile.md); the attention mask likewise. Finished rows are dropped
-(and the columns no row uses any more) once an eighth of the rows are done or the batch holds max_batch_size rows.
-Positions and the attention mask are per row, so padding never changes a row's tokens. The host reads step k's
-tokens while the device computes step k+1 (not for a batch holding a grammar-constrained request: its next mask
-needs the token just drawn). Caches whose layers are not plain full-attention DynamicLayers (sliding windows, linear
-attention) cannot be merged: such a model runs its prefilled pieces side by side instead. PEFT's mixed-batch
-`adapter_names=[...]` selects adapters per row.
+batch (~25 ms for 24 layers on an H200), so throughput is rows per step, and on a GPU the step is bound by that
+host time unless it replays as a device graph. Two ways to batch, chosen per model:
+
+The static batch (where device graphs are, cuda/xpu, or Engine(static_fallback=True), and the model allows it:
+plain full-attention cache layers, sdpa or eager attention, no adapters, not quantized, on one device). One row per
+slot in fixed buffers: per layer keys and values [slots, heads, capacity, head_dim], the attention mask [slots,
+capacity], each row's next token and position. Each row is its own sequence from column 0, so a token's column is
+its position; a decode step writes each row's new column at its position, read from a device tensor by the cache
+layer (StaticRowsLayer), and attends over the first `span` columns with the mask hiding the rest. The layer is
+compileable, as transformers' StaticLayer, so transformers builds the decode mask on the device instead of checking
+the padding on the host (masking_utils: the `fast_all` skip) — that check is the host read that breaks capture. So
+the step has the same shapes and addresses for a (rows bucket, span bucket) and is captured once and replayed
+(graphs.py); only the next tokens, the positions and the bookkeeping run outside. Rows join free slots (prefilled
+left padded through a DynamicCache, copied in from column 0 by a gather) and leave by freeing theirs; rows move down
+into free low slots when that shrinks the rows bucket. Slots up to the bucket that hold no live row decode garbage,
+kept finite (their column 0 stays attended). Sizing: max_batch_size slots of min(max_seq_len, what the KV budget
+leaves after one prefill piece's cache and the logits) columns, allocated on first use (or at warm-up, which also
+captures the full bucket at every span) after a probe: a 3-token prompt's next step through the static rows must
+give the model's own logits. Where the budget gives a slot fewer than max_seq_len columns, one max_seq_len
+request's worth is kept out of the buffers and requests longer than a slot take a dynamic batch. A capture that
+fails turns capture off (the step runs uncaptured); a step or probe that fails turns the static batch off for the
+model; both say why in engine.stats (fallback_graphs), and serving goes on in the dynamic batches.
+
+The dynamic batches (everything else: cpu by default, adapters, sliding windows, other attention kernels, ...).
+Every request joins one running batch: new requests are prefilled (left padded, in pieces of at most
+prefill_tokens, launched back to back) and their caches merged into the running one at once, left padded to a
+common width, in buffers with room for every column its rows may still take: a decode step writes its column in
+place, where a DynamicLayer copies its whole cache every step (torch.cat: most of a 256-row decode step's time on
+cpu, docs/results/cpu-fallback-profile.md); the attention mask likewise. Finished rows are dropped (and the columns
+no row uses any more) once an eighth of the rows are done or the batch holds max_batch_size rows. Caches whose
+layers are not plain full-attention DynamicLayers (sliding windows, linear attention) cannot be merged: such a model
+runs its prefilled pieces side by side instead. PEFT's mixed-batch `adapter_names=[...]` selects adapters per row.
+
+Both: positions and the attention mask are per row, so padding never changes a row's tokens. The host reads step
+k's tokens while the device computes step k+1 (not for a batch holding a grammar-constrained request: its next
+mask needs the token just drawn). stats: fallback_decode (how new steps run: graphs, static uncaptured, dynamic),
+fallback_graphs (True, or why not), fallback_graph_steps / fallback_static_steps / fallback_dynamic_steps,
+fallback_migrations, and the static batch's fallback_static_slots / fallback_static_columns (kv_cache_bytes).
 
 Interface with the engine (engine.py), which owns the request queue, the thread and the results:
   FallbackPath(engine)  once per model setup; reads engine.model/.base/.device/.budget/.prefill_tokens/
-                        .max_batch_size/.kv_bytes_per_token/.vocab_size and writes into engine.stats
+                        .max_batch_size/.kv_bytes_per_token/.vocab_size/.use_graphs/.static_fallback and writes
+                        into engine.stats
   step()                one iteration: cancels, one decode step per batch (reading the step before's tokens),
                         dropping finished rows, admission
   has_work()            whether requests are running here
   fail_all(error)       finish every running request with an error
+  warmup()              the static batch and its graphs ahead of the first request (engine.warmup)
+  model_changed()       engine.update_model kept this path: graphs dropped, whether the static batch applies
 Requests are finished through engine.accept (a new token) and engine.finish; tokens come from sampling.pick.
 """
 
