@@ -304,15 +304,16 @@ def test_fallback_static_failures_leave_the_dynamic_batches_serving(monkeypatch)
 
 @pytest.mark.parametrize("kind,attention", [("phi2", "sdpa"), ("phi2", "eager"), ("mistral", "sdpa")])
 def test_fallback_static_step_reads_nothing_on_the_host(kind, attention):
-    """What a device graph cannot capture is a host read of a tensor's value (.item(), a tensor in an `if`, nonzero):
-    the static batch's decode step (the body a graph captures) makes none, for the model's own forward with sdpa
-    or eager attention and with grouped KV heads (mistral, run through its own forward); with sdpa the dynamic
-    batches' step makes one (transformers checks the padding mask on the host to skip it), so the check can fail."""
+    """What a device graph cannot capture is a host read of a tensor's value (.item(), a tensor in an `if`, nonzero)
+    or a tensor made from host data (torch.tensor: a copy from the host on a device): the static batch's decode step
+    (the body a graph captures) does neither, for the model's own forward with sdpa or eager attention and with
+    grouped KV heads (mistral, run through its own forward); with sdpa the dynamic batches' step reads the padding
+    mask on the host (transformers' check to skip it), so the check can fail."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from transformers import DynamicCache
 
     reads = {torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero, torch.ops.aten.is_nonzero,
-             torch.ops.aten.equal}
+             torch.ops.aten.equal, torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy}
 
     class HostReads(TorchDispatchMode):
         def __init__(self):
@@ -337,9 +338,9 @@ def test_fallback_static_step_reads_nothing_on_the_host(kind, attention):
             cache = DynamicCache(config=model.config)
             eng.fallback._forward(cache, input_ids=torch.tensor([[5, 6], [0, 7]]),
                                   attention_mask=torch.tensor([[1, 1], [0, 1]]))
+            ids, mask = torch.tensor([[8], [9]]), torch.tensor([[1, 1, 1], [0, 1, 1]])
             dynamic = HostReads()
             with dynamic:
-                eng.fallback._forward(cache, input_ids=torch.tensor([[8], [9]]),
-                                      attention_mask=torch.tensor([[1, 1, 1], [0, 1, 1]]))
+                eng.fallback._forward(cache, input_ids=ids, attention_mask=mask)
     assert all(r.error is None for r in res)
     assert static.seen == [] and bool(dynamic.seen) == (attention == "sdpa"), (static.seen, dynamic.seen)
