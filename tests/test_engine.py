@@ -231,7 +231,8 @@ def test_live_request_never_preempts_another_live_one(model, tokenizer):
         assert r.error is None and r.output_ids == refs[r.request_id], (r.request_id, r.output_ids)
 
 
-def test_fallback_path_admits_live_requests_before_waiting_batch(model, tokenizer):
+@pytest.mark.parametrize("static", [None, True], ids=["dynamic", "static"])
+def test_fallback_path_admits_live_requests_before_waiting_batch(model, tokenizer, static):
     """The model's own forward (no preemption there): when a row frees, a live request waiting takes it before the
     batch requests that were waiting before it came."""
     batch = [GenerationRequest(str(i), p, SamplingParams(max_new_tokens=20, temperature=0.0), stream=True,
@@ -240,7 +241,7 @@ def test_fallback_path_admits_live_requests_before_waiting_batch(model, tokenize
                              stream=True)
     refs = unpreempted(model, tokenizer, batch + [live])
     with Engine(model, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=2, native=False,
-                max_seq_len=128) as eng:
+                max_seq_len=128, static_fallback=static) as eng:
         later = SubmitLater(eng, lambda: len(eng._waiting) == 4, [live])
         with eng.model_lock:
             futures = [eng.submit(r, later) for r in batch]
@@ -388,11 +389,12 @@ def test_stop_string_truncates_text(model, tokenizer):
     assert res.output_ids == full.output_ids[:len(res.output_ids)] and len(res.output_ids) < 30
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "hf-fallback"])
-def test_streaming_deltas_add_up_to_the_result(model, tokenizer, native):
+@pytest.mark.parametrize("native,static", [(True, None), (False, None), (False, True)],
+                         ids=["native", "hf-fallback", "hf-fallback-static"])
+def test_streaming_deltas_add_up_to_the_result(model, tokenizer, native, static):
     p = prompts(1, seed=5, lo=10, hi=11)[0]
     with Engine(model, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=4, max_seq_len=128,
-                native=native) as eng:
+                native=native, static_fallback=static) as eng:
         full = eng.generate([greedy(p, 0, new=20, ignore_eos=True)])[0]
         stop = full.text[8:11]
         results = {}
@@ -474,8 +476,10 @@ def test_concurrent_submissions_share_one_batch(model, tokenizer):
         assert results[i].output_ids == ref
 
 
-def test_cancel_running_and_waiting(model, tokenizer):
-    with Engine(model, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=1, max_seq_len=1024) as eng:
+@pytest.mark.parametrize("native,static", [(None, None), (False, True)], ids=["native", "hf-fallback-static"])
+def test_cancel_running_and_waiting(model, tokenizer, native, static):
+    with Engine(model, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=1, max_seq_len=1024,
+                native=native, static_fallback=static) as eng:
         long = eng.submit(greedy([5, 6, 7], "long", new=1000, ignore_eos=True))
         waiting = eng.submit(greedy([5, 6, 7], "waiting", new=5))
         deadline = time.time() + 30
