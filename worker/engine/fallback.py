@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from worker.engine import graphs
-from worker.engine.device import HostTokens, to_device
+from worker.engine.device import HostTokens, graphs_available, to_device
 from worker.engine.sampling import pick
 
 if TYPE_CHECKING:
@@ -411,7 +411,7 @@ class FallbackPath:
         if eng.static_fallback is False:
             return "static_fallback=False"
         if eng.static_fallback is None and not eng.use_graphs:
-            return f"no device graphs on {eng.backend}"
+            return f"no device graphs on {eng.backend}" if not graphs_available(eng.backend) else "use_graphs=False"
         if eng.is_peft:
             return "adapters: PEFT picks them per row on the host"
         if impl not in ("sdpa", "eager"):
