@@ -1,9 +1,11 @@
 """worker/engine on CPU with the tiny demo model (fp32): same tokens as greedy `generate`, per-request LoRA in
 one batch, sampling, stop strings, errors, cancellation, concurrent submission, model swaps, memory budget."""
 
+import gc
 import random
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -326,11 +328,17 @@ def test_update_model_wraps_base_in_peft(tiny_dir, tokenizer, adapter_dirs, nati
         assert eng.generate([greedy(p, 0)])[0].output_ids == base_ref
         if static:
             assert eng.stats["fallback_decode"] == "static" and eng.stats["kv_cache_bytes"] > 0
+            buffer = weakref.ref(eng.fallback._static.k[0])
         bad = eng.generate([greedy(p, 1, adapter="alpha")])[0]
         assert bad.finish_reason == "error" and "alpha" in bad.error
-        with eng.model_lock:
-            pm = PeftModel.from_pretrained(base, adapter_dirs["alpha"], adapter_name="alpha").eval()
-            eng.update_model(pm)
+        gc.disable()  # the static buffers must go when the batch is dropped, not wait for a collection
+        try:
+            with eng.model_lock:
+                pm = PeftModel.from_pretrained(base, adapter_dirs["alpha"], adapter_name="alpha").eval()
+                eng.update_model(pm)
+            assert not static or buffer() is None
+        finally:
+            gc.enable()
         pm.set_adapter("alpha")
         alpha_ref = reference(pm, p)
         res = eng.generate([greedy(p, 2, adapter="alpha"), greedy(p, 3)])

@@ -232,9 +232,9 @@ def _static_layer() -> type:
         is_compileable = True
         is_sliding = False
 
-        def __init__(self, k: torch.Tensor, v: torch.Tensor, batch: _Static):
+        def __init__(self, k: torch.Tensor, v: torch.Tensor, step: _StepShape):
             super().__init__()
-            self.k_full, self.v_full, self.batch = k, v, batch
+            self.k_full, self.v_full, self.step = k, v, step
             self.device = k.device
             self.is_initialized = True
 
@@ -242,7 +242,7 @@ def _static_layer() -> type:
             pass
 
         def update(self, key_states, value_states, *args, **kwargs):
-            b = self.batch
+            b = self.step
             col = b.pos[:b.rows].to(self.device).view(-1, 1, 1, 1)
             self.k_full[:b.rows].scatter_(2, col.expand_as(key_states), key_states)
             self.v_full[:b.rows].scatter_(2, col.expand_as(value_states), value_states)
@@ -250,17 +250,25 @@ def _static_layer() -> type:
             return self.keys, self.values
 
         def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-            return self.batch.span, 0
+            return self.step.span, 0
 
         def get_seq_length(self) -> int:
             # the query's offset for the causal part of the mask: past every column, so the padding mask (each row's
             # written columns) alone decides
-            return self.batch.span - 1
+            return self.step.span - 1
 
         def get_max_length(self) -> int:
             return self.k_full.shape[2]
 
     return StaticRowsLayer
+
+
+class _StepShape:
+    """What the static batch's cache layers read: the step's rows and span, and the positions (a separate object, so
+    the layers hold no reference back to the batch and dropping the batch frees its buffers at once)."""
+
+    def __init__(self, pos: torch.Tensor):
+        self.pos, self.rows, self.span = pos, 1, 1
 
 
 class _Static:
@@ -286,8 +294,8 @@ class _Static:
         self.pos = torch.zeros(slots, dtype=torch.int64, device=dev)  # each row's next input: its position, its column
         self.ids = torch.zeros(slots, dtype=torch.int64, device=dev)
         self.logits = logits.new_zeros(slots, logits.shape[-1])
-        self.rows, self.span = 1, 1  # what the layers read (set by body)
-        self.cache = Cache(layers=[_static_layer()(k, v, self) for k, v in zip(self.k, self.v)])
+        self.step = _StepShape(self.pos)  # set by body
+        self.cache = Cache(layers=[_static_layer()(k, v, self.step) for k, v in zip(self.k, self.v)])
         self.seqs: list[Sequence | None] = [None] * slots
         self.free = list(range(slots))
         self.pending: HostTokens | None = None
@@ -353,7 +361,7 @@ class _Static:
         """One decode step for slots [0, rows) attending over columns [0, span): what a graph captures. Running it
         again gives the same state (capture runs it first), so positions and tokens advance outside."""
         path = self.path
-        self.rows, self.span = rows, span
+        self.step.rows, self.step.span = rows, span
         self.mask[:rows].scatter_(1, self.pos[:rows, None], True)
         kw = {"adapter_names": ["__base__"] * rows} if path.engine.is_peft else {}
         logits = path._forward(self.cache, input_ids=self.ids[:rows, None], attention_mask=self.mask[:rows, :span],
