@@ -344,3 +344,26 @@ def test_fallback_static_step_reads_nothing_on_the_host(kind, attention):
                 eng.fallback._forward(cache, input_ids=ids, attention_mask=mask)
     assert all(r.error is None for r in res)
     assert static.seen == [] and bool(dynamic.seen) == (attention == "sdpa"), (static.seen, dynamic.seen)
+
+
+def test_fallback_static_buffers_go_when_the_engine_closes():
+    """The worker freezes its heap after loading a model (model_cache.freeze_heap: gc.freeze), so an evicted
+    engine left in a reference cycle is never collected: closing the engine drops its static batch itself, and
+    the buffers are freed whether or not the engine object is."""
+    import gc
+    import weakref
+
+    model = build("phi2")
+    eng = Engine(model, None, device="cpu", memory_budget_bytes=64 * MB, max_seq_len=128, max_batch_size=4,
+                 static_fallback=True)
+    eng.generate(greedy_reqs(prompts(2, seed=12), [3, 3]))
+    buffer = weakref.ref(eng.fallback._static.k[0])
+    gc.collect()
+    gc.freeze()
+    try:
+        eng.close()
+        del eng
+        gc.collect()
+        assert buffer() is None
+    finally:
+        gc.unfreeze()

@@ -451,9 +451,11 @@ class FallbackPath:
             self._drop_idle_static()
         self._report()
 
-    def _drop_idle_static(self) -> None:
-        """A static batch new requests can no longer take gives its memory back once its rows are gone."""
-        if self._static is not None and self._static_why is not None and not self._static.held():
+    def _drop_idle_static(self, force: bool = False) -> None:
+        """A static batch new requests can no longer take gives its memory back once its rows are gone; so does one
+        whose engine closed (force), at once: an engine in a reference cycle that gc.freeze exempted
+        (model_cache.freeze_heap) would otherwise hold the buffers for good."""
+        if self._static is not None and (self._static_why is not None or force) and not self._static.held():
             self._static = None
             self.engine.stats["kv_cache_bytes"] = 0
 
@@ -472,7 +474,7 @@ class FallbackPath:
                     self.engine.finish(seq, "error", error)
             st.pending = None
             st.release_finished()
-            self._drop_idle_static()
+            self._drop_idle_static(force=self.engine._closed)
 
     def _forward(self, cache, **kw):
         kw[self._cache_kwarg] = cache
