@@ -346,24 +346,28 @@ def test_fallback_static_step_reads_nothing_on_the_host(kind, attention):
     assert static.seen == [] and bool(dynamic.seen) == (attention == "sdpa"), (static.seen, dynamic.seen)
 
 
-def test_fallback_static_buffers_go_when_the_engine_closes():
+@pytest.mark.parametrize("static", [None, True], ids=["dynamic", "static"])
+def test_fallback_engine_frees_its_memory_when_closed_after_the_heap_froze(static):
     """The worker freezes its heap after loading a model (model_cache.freeze_heap: gc.freeze), so an evicted
-    engine left in a reference cycle is never collected: closing the engine drops its static batch itself, and
-    the buffers are freed whether or not the engine object is."""
+    engine left in a reference cycle is never collected: a closed fallback engine, its model's weights and its
+    static buffers are freed by reference counting (failed before: the engine and FallbackPath referenced each
+    other, and the static batch and its path)."""
     import gc
     import weakref
 
     model = build("phi2")
     eng = Engine(model, None, device="cpu", memory_budget_bytes=64 * MB, max_seq_len=128, max_batch_size=4,
-                 static_fallback=True)
+                 static_fallback=static)
     eng.generate(greedy_reqs(prompts(2, seed=12), [3, 3]))
-    buffer = weakref.ref(eng.fallback._static.k[0])
+    held = [weakref.ref(eng), weakref.ref(next(model.parameters()))]
+    if static:
+        held.append(weakref.ref(eng.fallback._static.k[0]))
     gc.collect()
     gc.freeze()
     try:
         eng.close()
-        del eng
+        del eng, model
         gc.collect()
-        assert buffer() is None
+        assert [ref() is None for ref in held] == [True] * len(held)
     finally:
         gc.unfreeze()

@@ -61,6 +61,7 @@ import heapq
 import inspect
 import logging
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -383,7 +384,9 @@ class _Static:
 
 class FallbackPath:
     def __init__(self, engine: Engine):
-        self.engine = engine
+        # a proxy: the engine holds this path, and a cycle between them would outlive an evicted engine (with the
+        # model's weights) once the worker froze its heap (model_cache.freeze_heap)
+        self.engine = weakref.proxy(engine)
         self._batches: list[_Batch] = []
         params = inspect.signature(engine.base.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
