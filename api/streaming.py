@@ -59,7 +59,7 @@ async def _read(client, record_id: str, timeout: float, request: Request) -> Asy
 
 def deltas(entries: list[dict]) -> list[Delta]:
     """A read's entries as deltas, a choice's consecutive ones joined (one event each, however many engine steps a
-    read caught up with) and a call's consecutive argument fragments joined."""
+    read caught up with) up to a call's start, and a call's consecutive argument fragments joined."""
     joined: list[Delta] = []
     for fields in entries:
         if "end" in fields:
@@ -68,7 +68,8 @@ def deltas(entries: list[dict]) -> list[Delta]:
                       json.loads(fields["tc"]) if "tc" in fields else [])
         if not (delta.text or delta.logprobs or delta.tool_calls):
             continue
-        if not joined or joined[-1].choice != delta.choice:
+        # A call's first fragment starts a delta of its own: the logprobs before it are the text's (its message's).
+        if not joined or joined[-1].choice != delta.choice or any("id" in f for f in delta.tool_calls):
             joined.append(delta)
             continue
         last = joined[-1]

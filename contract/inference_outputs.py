@@ -3,7 +3,8 @@
 `result` is the worker's outcome: {text, finish_reason, prompt_tokens, completion_tokens}, plus `choices` (a list
 of {text, finish_reason, completion_tokens}) when the request asked for several. A choice (or the result) also
 holds `tool_calls` (and `content`, the text before them) when the model called tools, and `logprobs` (chat's
-per-token entries) when asked for.
+per-token entries, of every output token) when asked for, with `content_tokens` (how many of them wrote
+`content`) where there are both.
 """
 
 
@@ -84,11 +85,12 @@ def function_call_item(call: dict, status: str = "completed") -> dict:
 
 
 def output_items(request_id: str, result: dict, status: str) -> list[dict]:
-    """A response's output: one message (the text before any calls; its logprobs are those of every output
-    token, as chat's are), then each function call as a function_call item."""
+    """A response's output: one message (the text before any calls, with the logprobs of the tokens that wrote it:
+    `content_tokens` of them where there are calls, else all), then each function call as a function_call item."""
     calls = result.get("tool_calls") or []
     text = result.get("content") if calls else result["text"]
-    message = [output_message(request_id, text, status, result.get("logprobs"))] if text or not calls else []
+    logprobs = (result.get("logprobs") or [])[:result.get("content_tokens")]
+    message = [output_message(request_id, text, status, logprobs)] if text or not calls else []
     return message + [function_call_item(call) for call in calls]
 
 

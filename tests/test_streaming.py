@@ -2,6 +2,7 @@
 events carry the same text as the non-streamed answer, usage comes last when asked for, and a client that goes
 away cancels its request."""
 
+import asyncio
 import json
 import time
 import uuid
@@ -9,8 +10,15 @@ import uuid
 import openai
 import pytest
 from conftest import StoppedEngines, _wait, wait_for_job
+from transformers import AutoTokenizer
 
+from api import streaming
+from api.routes.responses import response_events
 from contract.records import RecordStore
+from worker.demo_model import build_demo_model
+from worker.engine.requests import GenerationDelta, GenerationResult
+from worker.serving.inference import outcome
+from worker.serving.output_stream import RequestOutput
 
 QUESTION = "Say hello."
 ANSWER = "Hello from the fine-tuned adapter!"
@@ -252,3 +260,87 @@ def test_disconnect_cancels_a_request_that_is_not_streamed(client_a, redis_clien
     record = _wait(ended, 60, "the request to end")
     assert record["status"] == "cancelled"
     assert all(c["completion_tokens"] < 1000 for c in record["result"]["choices"])
+
+
+def test_a_message_closed_by_a_call_is_done_as_the_response_has_it(client_a, taught):
+    # The message's done events come when the call begins: they carry its whole text and the logprobs of the tokens
+    # that wrote it, as the finished response's message does (the call's tokens are not the message's).
+    args = {"model": taught, "input": WEATHER, "tools": [{"type": "function", **PLAIN_TOOL["function"]}],
+            "temperature": 0, "max_output_tokens": 200, "top_logprobs": 2,
+            "include": ["message.output_text.logprobs"]}
+    whole = client_a.responses.create(**args)
+    assert [i.type for i in whole.output] == ["message", "function_call"], whole.output
+
+    def entries(logprobs):
+        return [(e.token, round(e.logprob, 4), [(t.token, round(t.logprob, 4)) for t in e.top_logprobs])
+                for e in logprobs]
+
+    def shape(part):
+        return part.type, part.text, entries(part.logprobs)
+
+    part = whole.output[0].content[0]
+    assert part.text == "Let me check." and 1 < len(part.logprobs) < whole.usage.output_tokens
+    assert "".join(e.token for e in part.logprobs).strip() == "Let me check."
+    with client_a.responses.stream(**args) as stream:
+        seen = list(stream)
+        final = stream.get_final_response()
+    assert shape(final.output[0].content[0]) == shape(part)
+    deltas = [e for e in seen if e.type == "response.output_text.delta"]
+    assert "".join(e.delta for e in deltas) == part.text
+    assert entries([e for d in deltas for e in d.logprobs]) == entries(part.logprobs)
+    text_done = next(e for e in seen if e.type == "response.output_text.done")
+    assert (text_done.text, entries(text_done.logprobs)) == (part.text, entries(part.logprobs))
+    assert shape(next(e for e in seen if e.type == "response.content_part.done").part) == shape(part)
+    item_done = next(e for e in seen if e.type == "response.output_item.done")
+    assert item_done.output_index == 0 and item_done.item.id == final.output[0].id
+    assert shape(item_done.item.content[0]) == shape(part) and item_done.item.status == "completed"
+    call_added = next(i for i, e in enumerate(seen) if e.type == "response.output_item.added" and e.output_index == 1)
+    assert seen.index(item_done) < call_added
+
+
+@pytest.mark.parametrize("step", [1, 3, 12])
+def test_the_message_before_a_call_has_its_own_tokens_however_the_steps_come(tmp_path_factory, redis_client, step):
+    # The engine's deltas hold `step` tokens each (more than one when engine_stream_interval_ms gathers steps, as it
+    # does on a fast device) and the API reads them all at once: the message's done events still carry its text and
+    # the logprobs of the tokens that wrote it, as the stored response has them, and its deltas add up to them.
+    tokenizer = AutoTokenizer.from_pretrained(build_demo_model(tmp_path_factory.getbasetemp() / "demo-tiny"))
+    text = 'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    logprobs = [(t, -0.01 * i, [(t, -0.01 * i)]) for i, t in enumerate(ids)]
+    request = {"tools": [PLAIN_TOOL["function"]], "tool_choice": "auto", "logprobs": 1, "max_output_tokens": 200}
+    response_id = "resp_" + uuid.uuid4().hex[:24]
+    result = outcome(GenerationResult(response_id, ids, text, "stop", 5, len(ids), logprobs=logprobs), request,
+                     tokenizer)
+    record = {"id": response_id, "tenant": "tenant-t", "created_at": 1, "model": "demo-tiny", "status": "completed",
+              "request": request, "result": result}
+    RecordStore(redis_client).create("response", record)
+
+    output, entries, written = RequestOutput(request, lambda: tokenizer), [], ""
+    for at in range(0, len(ids), step):  # as the engine's deltas come: each its tokens and the text they add
+        new = tokenizer.decode(ids[:at + step], skip_special_tokens=True)[len(written):]
+        written += new
+        delta = GenerationDelta(response_id, ids[at:at + step], new, logprobs[at:at + step])
+        entries += output.entries(0, delta)
+    entries += output.closing()
+    # every token's logprobs go out once, in order (a streamed chat's chunks add up to them all)
+    assert [e for fields in entries if "l" in fields for e in json.loads(fields["l"])] == result["logprobs"]
+
+    async def batches():
+        yield streaming.deltas(entries)
+
+    async def events():
+        return [json.loads(e.data) async for e in response_events(record, RecordStore(redis_client))(batches())]
+
+    seen = asyncio.run(events())
+    message = seen[-1]["response"]["output"][0]
+    part = message["content"][0]
+    assert part["text"] == "Let me check." and [e["token"] for e in part["logprobs"]] == \
+        [tokenizer.decode([t]) for t in ids[:10]]  # "L", "et", " ", ..., "."
+    assert "".join(e["delta"] for e in seen if e["type"] == "response.output_text.delta") == part["text"]
+    assert [e for d in seen if d["type"] == "response.output_text.delta" for e in d["logprobs"]] == part["logprobs"]
+    (text_done,) = [e for e in seen if e["type"] == "response.output_text.done"]
+    assert (text_done["text"], text_done["logprobs"]) == (part["text"], part["logprobs"])
+    assert [e["part"] for e in seen if e["type"] == "response.content_part.done"] == [part]
+    assert [e["item"] for e in seen if e["type"] == "response.output_item.done"][0] == message
+    kinds = [e["type"] for e in seen]
+    assert kinds.index("response.output_item.done") < kinds.index("response.function_call_arguments.delta")

@@ -56,9 +56,10 @@ def response_events(record: dict, store: RecordStore):
     """The Responses API's typed events, numbered in order, from response.created to response.completed (or
     .incomplete, .failed), each terminal one carrying the whole response. The output items stream one after the
     other as the model writes them: the message's text deltas (with the logprobs of the tokens they bring), then
-    each function call's arguments deltas. An item closed because a call began carries what was streamed of it;
-    the others, and the terminal event, carry the items as the finished response has them (a message before calls
-    has there the logprobs of every output token, as chat's logprobs do)."""
+    each function call's arguments deltas. A message closed because a call began is done with what was streamed of
+    it, which is the finished response's message: its whole text and the logprobs of the tokens that wrote it (the
+    worker sends those with the text, and the calls' tokens with the calls, whose items have no logprobs). The
+    other items, and the terminal event, are as the finished response has them."""
     numbers = itertools.count()
 
     def event(kind: str, **fields) -> ServerSentEvent:

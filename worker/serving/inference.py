@@ -23,7 +23,7 @@ from worker.engine.requests import GenerationDelta, GenerationResult, Priority, 
 from worker.models import ModelLoadError, load_tokenizer
 from worker.node import metrics
 from worker.node.node import Node
-from worker.serving.output_stream import OutputStreams, RequestOutput, logprob_entries
+from worker.serving.output_stream import OutputStreams, RequestOutput, logprob_entries, tokens_writing
 
 CANCEL_POLL_SECONDS = 0.1
 
@@ -178,6 +178,8 @@ def outcome(result: GenerationResult, request: dict, tokenizer) -> dict:
                 out["finish_reason"] = "tool_calls"
     if result.logprobs is not None:
         out["logprobs"] = logprob_entries(tokenizer, result.logprobs)
+        if out.get("tool_calls"):  # the Responses message before the calls has the logprobs of its own tokens
+            out["content_tokens"] = tokens_writing(tokenizer, result.output_ids, out["content"] or "")
     return out
 
 

@@ -25,36 +25,73 @@ def logprob_entries(tokenizer, logprobs: list) -> list[dict]:
     return [dict(token(t, lp), top_logprobs=[token(i, v) for i, v in top]) for t, lp, top in logprobs]
 
 
+def tokens_writing(tokenizer, token_ids: list[int], text: str, start: int = 0) -> int:
+    """How many of the output's first tokens it takes to write `text`, a prefix of the output's text (the content
+    before a call, whose message has those tokens' logprobs): at least `start`, a count known to fall short."""
+    n = start
+    while n < len(token_ids) and len(tokenizer.decode(token_ids[:n], skip_special_tokens=True).rstrip("\ufffd")) \
+            < len(text):
+        n += 1
+    return n
+
+
+class _Choice:
+    """A choice's output where tools may be called: its parser, its tokens, and the logprobs not yet sent."""
+
+    def __init__(self, parser: tool_calls.ToolCallStream):
+        self.parser, self.ids, self.held = parser, [], []
+        self.wrote = 0  # how many tokens wrote the content released so far
+
+
 class RequestOutput:
     """One streaming request's entries: per choice, its text goes through a ToolCallStream where tools may be
-    called (seeded with the engine request id, as the stored result's parse is, so the call ids agree)."""
+    called (seeded with the engine request id, as the stored result's parse is, so the call ids agree). There the
+    logprobs go with the text their tokens wrote, and a call's with its first fragment, in an entry of their own:
+    the message before a call gets the logprobs of its own tokens, as the stored result's `content_tokens` count
+    them, however many tokens an engine delta holds."""
 
     def __init__(self, request: dict, tokenizer_of: Callable[[], object]):
         self._tokenizer_of = tokenizer_of
         self._names = tool_calls.callable_tools(request)
-        self._parsers: dict[int, tool_calls.ToolCallStream] = {}
+        self._choices: dict[int, _Choice] = {}
 
-    def entry(self, choice: int, delta: GenerationDelta) -> dict:
-        fields = {"c": choice, "t": delta.text}
-        if self._names:
-            parser = self._parsers.get(choice)
-            if parser is None:
-                fmt = tool_calls.tool_call_format(self._tokenizer_of().chat_template)
-                parser = self._parsers[choice] = tool_calls.ToolCallStream(fmt, self._names, delta.request_id)
-            fields["t"], fragments = parser.feed(delta.text)
-            if fragments:
-                fields["tc"] = json.dumps(fragments)
-        if delta.logprobs:
-            fields["l"] = json.dumps(logprob_entries(self._tokenizer_of(), delta.logprobs))
-        return fields
+    def entries(self, choice: int, delta: GenerationDelta) -> list[dict]:
+        logprobs = logprob_entries(self._tokenizer_of(), delta.logprobs) if delta.logprobs else []
+        if not self._names:
+            return [{"c": choice, "t": delta.text, **({"l": json.dumps(logprobs)} if logprobs else {})}]
+        state = self._choices.get(choice)
+        if state is None:
+            fmt = tool_calls.tool_call_format(self._tokenizer_of().chat_template)
+            state = self._choices[choice] = _Choice(tool_calls.ToolCallStream(fmt, self._names, delta.request_id))
+        called_before = bool(state.parser.calls)
+        text, fragments = state.parser.feed(delta.text)
+        if delta.logprobs is None:  # not asked for
+            return [self._entry(choice, state, text, fragments, 0)]
+        state.ids += delta.token_ids
+        state.held += logprobs
+        if called_before:  # the calls' tokens
+            return [self._entry(choice, state, text, fragments, len(state.held))]
+        sent = len(state.ids) - len(state.held)
+        if text:
+            state.wrote = tokens_writing(self._tokenizer_of(), state.ids, state.parser.content, state.wrote)
+        entries = [self._entry(choice, state, text, [], state.wrote - sent)]
+        if fragments:  # the first call began: the tokens after the content are its
+            entries.append(self._entry(choice, state, "", fragments, len(state.held)))
+        return entries
+
+    @staticmethod
+    def _entry(choice: int, state: _Choice, text: str, fragments: list[dict], n_logprobs: int) -> dict:
+        logprobs, state.held = state.held[:n_logprobs], state.held[n_logprobs:]
+        return {"c": choice, "t": text, **({"tc": json.dumps(fragments)} if fragments else {}),
+                **({"l": json.dumps(logprobs)} if logprobs else {})}
 
     def closing(self) -> list[dict]:
-        """What each choice's parser still held, once the output is complete."""
+        """What each choice's parser still held, once the output is complete, with the logprobs not sent yet."""
         entries = []
-        for choice, parser in self._parsers.items():
-            text, fragments = parser.close()
-            if text or fragments:
-                entries.append({"c": choice, "t": text, **({"tc": json.dumps(fragments)} if fragments else {})})
+        for choice, state in self._choices.items():
+            text, fragments = state.parser.close()
+            if text or fragments or state.held:
+                entries.append(self._entry(choice, state, text, fragments, len(state.held)))
         return entries
 
 
@@ -77,12 +114,12 @@ class OutputStreams:
         if choice is None:
             self._started.discard(record_id)
             return (output.closing() if output is not None else []) + [{"end": 1}]
-        fields = output.entry(choice, delta)
         # The first goes out even when empty (text still held back, say): the client's stream starts then.
-        if fields["t"] or len(fields) > 2 or record_id not in self._started:
+        entries = [fields for fields in output.entries(choice, delta)
+                   if fields["t"] or len(fields) > 2 or record_id not in self._started]
+        if entries:
             self._started.add(record_id)
-            return [fields]
-        return []
+        return entries
 
     def _run(self) -> None:
         while True:
