@@ -2,7 +2,7 @@
 Hermes/Qwen (`<tool_call>{"name", "arguments"}</tool_call>`, one block per call), Llama 3 (a bare JSON
 `{"name", "parameters"}` object, optionally after `<|python_tag|>`, several joined by `;`) and Mistral
 (`[TOOL_CALLS]` then a JSON list of `{"name", "arguments"}`). worker/engine/grammar.py generates the same
-shapes when a call is forced."""
+shapes when a call is forced, and under tool_choice "auto" holds to them what may be read as a call here."""
 
 import hashlib
 import json

@@ -89,3 +89,70 @@ def test_auto_tool_choice_allows_text_and_only_well_formed_calls(tiny):
     assert not accepts('<tool_call>\n{"name": "lookup"')  # not one of the tools
     assert not accepts('<tool_call>\n{"name": "get_weather", "arguments": {"town"')  # not its schema
     assert not accepts(call + " and more") and accepts(call + " and more", parallel=True)
+
+
+# Tool calls as the families' chat templates render them (a call is the whole assistant message), on the demo
+# tokenizer with the family's marker as a special token (as Llama 3's <|python_tag|> and Mistral's [TOOL_CALLS]
+# are) and one more special token, which the decoded text drops.
+FAMILY_TEMPLATES = {
+    "llama3": "{% for m in messages %}{% if m['role'] == 'ipython' %}{{ m['content'] }}{% endif %}"
+              "{% for c in m['tool_calls'] or [] %}<|python_tag|>{\"name\": \"{{ c['function']['name'] }}\", "
+              "\"parameters\": {{ c['function']['arguments'] | tojson }}}{% endfor %}{% endfor %}",
+    "mistral": "{% for m in messages %}{% if m['tool_calls'] %}[TOOL_CALLS][{% for c in m['tool_calls'] %}"
+               "{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": {{ c['function']['arguments'] | tojson }}}"
+               "{% if not loop.last %}, {% endif %}{% endfor %}]{% endif %}{% endfor %}",
+}
+MARKERS = {"llama3": "<|python_tag|>", "mistral": "[TOOL_CALLS]"}
+
+
+@pytest.mark.parametrize("fmt", ["llama3", "mistral"])
+def test_auto_tool_choice_in_the_llama3_and_mistral_formats(tiny, fmt):
+    # Their calls are read from the output's start only (contract/tool_calls.py): what the auto grammar allows is a
+    # well-formed call of a tool there, or text that no call can be read from, whatever tokens it is written with.
+    import copy
+
+    from contract.tool_calls import parse
+    from worker.engine.grammar import Grammars
+
+    tokenizer = copy.deepcopy(tiny[1])
+    tokenizer.add_special_tokens({"additional_special_tokens": [MARKERS[fmt], "<|hidden|>"]})
+    tokenizer.chat_template = FAMILY_TEMPLATES[fmt]
+    grammars = Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    assert grammars.tool_format == fmt
+    tools = [{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                    "required": ["city"], "additionalProperties": False}}]
+
+    def accepts(text: str, parallel: bool = False) -> bool:
+        constraint = grammars.constraint(grammars.compile({"type": "tool_calls", "tools": tools, "choice": "auto",
+                                                           "parallel": parallel}))
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        return all(constraint.accept(t) for t in ids)
+
+    def read(text: str) -> list[tuple[str, dict]]:  # the calls the served output has, as the worker parses it
+        decoded = tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"], skip_special_tokens=True)
+        return [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                for c in parse(decoded, fmt, ["get_weather"])[1]]
+
+    def rendered(*cities: str) -> str:  # an assistant message with these calls, as the template writes it
+        calls = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": c}}} for c in cities]
+        return tokenizer.apply_chat_template([{"role": "assistant", "tool_calls": calls}], tokenize=False)
+
+    one, two = rendered("Oslo"), rendered("Oslo", "Bergen")
+    if fmt == "llama3":  # without its marker, as Llama 3.1 writes a call of a JSON tool
+        one, two = one.removeprefix(MARKERS[fmt]), two.replace(MARKERS[fmt], "").replace("}{", "}; {")
+    assert accepts(one) and read(one) == [("get_weather", {"city": "Oslo"})]
+    assert not accepts(two) and accepts(two, parallel=True)
+    assert read(two) == [("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Bergen"})]
+    for text in ["", "\n", "The weather is fine.", "\nBraces {x} and [y] later are text."]:
+        assert accepts(text) and read(text) == [], text
+    head = one[:one.index('"get_weather"')]  # the call up to its name
+    started = [one.replace("get_weather", "lookup"), one.replace('"Oslo"', "5"), head + '"get_weather", "x": 1}',
+               # ways into a call that skip the grammar's: whitespace first, a token the text drops, keys as JSON allows
+               " " + one.replace('"Oslo"', "5"), "<|hidden|>" + one.replace('"Oslo"', "5"),
+               one.replace('{"name": ', '{ "name": ').replace('"Oslo"', "5")]
+    for text in started:  # a call begun that is no well-formed call of the tool
+        assert not accepts(text) and not accepts(text, parallel=True), text
+    # after text a call is none (the parser reads text there), and the marker that would begin one is refused
+    assert read("Let me check. " + one) == []
+    for text in ["Let me check. " + rendered("Oslo"), "Text, then " + MARKERS[fmt]]:
+        assert not accepts(text), text
