@@ -45,12 +45,13 @@ def _refuse_what_cannot_fit(kind: str, request: dict, settings: Settings) -> Non
 def submit(kind: str, tenant: str, request: dict, *, settings: Settings, store: RecordStore, celery: Celery,
            extra: dict | None = None) -> dict:
     """Create a queued record of an inference request and publish it. Nothing is created on a 4xx."""
+    received = time.time()
     base, ref = resolve(request["model"], tenant, settings, store)
     _refuse_what_cannot_fit(kind, request, settings)
     queue, _ = route(store.redis, inference_requirement(settings.models_root, base), settings)
     record = {
         "id": new_id(kind), "tenant": tenant, "status": "queued", "created_at": now(),
-        "timings": {"received": time.time()}, "model": request["model"],
+        "timings": {"received": received}, "model": request["model"],
         "base_model": base, "adapter_job": ref.job_id if ref else None,
         "adapter_step": ref.checkpoint_step if ref else None, "request": request, "queue": queue,
         **(extra or {}),

@@ -35,26 +35,86 @@ def contents(model: str, n: int) -> list[str]:
     return [" ".join(f"<t{10 + (i * 7 + j) % 500}>" for j in range(24)) for i in range(n)]
 
 
-def first_chunk(stack: Stack, content: str, new_tokens: int) -> float:
-    """Seconds from the POST to the first server-sent event of a streamed chat; the rest is read and dropped."""
+def first_chunk(stack: Stack, content: str, new_tokens: int, moments: list | None = None) -> float:
+    """Seconds from the POST to the first server-sent event of a streamed chat; the rest is read and dropped.
+    moments gets (chat id, wall clock at the POST, at the first event)."""
     body = {"model": stack.model, "messages": [{"role": "user", "content": content}], "max_tokens": new_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True}
-    t = time.perf_counter()
+    t, sent = time.perf_counter(), time.time()
     first = None
     with stack.http.stream("POST", "/chat/completions", json=body) as reply:
         reply.raise_for_status()
         for line in reply.iter_lines():
             if first is None and line.startswith("data:"):
                 first = time.perf_counter() - t
+                if moments is not None:
+                    moments.append((json.loads(line[5:])["id"], sent, sent + first))
     return first
+
+
+# The stamps a live request's record holds (api/inference_service.py, worker/serving/), in the order they happen.
+STAMPS = ("received", "pulled", "claimed", "prepared", "submitted", "first_output", "first_written")
+
+
+def cpu_seconds(stack: Stack) -> dict[str, float]:
+    """CPU time so far of this process (the client) and of the stack's processes, by role."""
+    import psutil
+
+    def role(proc) -> str:
+        line = " ".join(proc.cmdline())
+        if "multiprocessing" in line:  # uvicorn's worker processes and the engine process are both spawned
+            return "api" if "worker.cli api" in " ".join(proc.parent().cmdline()) else "engine process"
+        for name in ("redis-server", "worker.cli api", "worker.cli up"):
+            if name in line:
+                return {"worker.cli api": "api"}.get(name, name)
+        return "worker node" if "worker" in line else line[:40]
+
+    totals: dict[str, float] = {"client": sum(psutil.Process().cpu_times()[:2])}
+    for proc in psutil.Process(stack.proc.pid).children(recursive=True):
+        try:
+            name = role(proc)
+            totals[name] = totals.get(name, 0.0) + sum(proc.cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            pass
+    return totals
+
+
+def phases(stack: Stack, moments: list[tuple[str, float, float]]) -> dict:
+    """Where N concurrent chats' time to the first event went, hop by hop: for each stamp, the median time from
+    the previous one and the spread (last minus first) of the moments the N reached it, from the POST (client
+    "sent") to the first event read (client "first_event")."""
+    import redis
+
+    client = redis.Redis(port=stack.redis_port, decode_responses=True)
+    rows = []
+    for record_id, sent, first in moments:
+        timings = json.loads(client.hget(f"rec:chat:{record_id}", "timings") or "{}")
+        rows.append({"sent": sent, **{k: timings[k] for k in STAMPS if k in timings}, "first_event": first})
+    names = [n for n in ("sent", *STAMPS, "first_event") if all(n in r for r in rows)]
+
+    def median(values):
+        return sorted(values)[len(values) // 2]
+
+    out = {}
+    for before, name in zip([None, *names], names):
+        at = [r[name] for r in rows]
+        out[name] = {"spread_ms": round(1e3 * (max(at) - min(at)), 1)}
+        if before:
+            out[name]["median_from_" + before + "_ms"] = round(1e3 * median([r[name] - r[before] for r in rows]), 1)
+    return out
 
 
 def measure_service(stack: Stack, prompts: list[str], new_tokens: int, batch_lines: int) -> dict:
     first_chunk(stack, prompts[0], new_tokens)  # warm-up: model load and graph capture
     idle = [first_chunk(stack, p, new_tokens) for p in prompts]
+    moments: list = []
+    before = cpu_seconds(stack)
     with ThreadPoolExecutor(len(prompts)) as pool:
-        loaded = list(pool.map(lambda p: first_chunk(stack, p, new_tokens), prompts))
-    result = {"idle": idle, "loaded": loaded}
+        loaded = list(pool.map(lambda p: first_chunk(stack, p, new_tokens, moments), prompts))
+    after = cpu_seconds(stack)
+    used = {name: round(after[name] - before.get(name, 0.0), 3) for name in after}
+    result = {"idle": idle, "loaded": loaded,
+              "concurrent_phases": {**phases(stack, moments), "cpu_seconds": used}}
     if batch_lines:
         done = threading.Event()
         token_prompts = [[10 + (i + j) % 200 for j in range(32)] for i in range(batch_lines)]
@@ -130,9 +190,11 @@ def main(argv=None) -> int:
         service = measure_service(stack, prompts, args.new_tokens, args.batch_lines)
     finally:
         stack.close()
+    concurrent_phases = service.pop("concurrent_phases")
     engine = measure_engine(stack, backend, prompts, args.new_tokens)
     out = {"model": args.model, "backend": backend, "requests": args.requests, "new_tokens": args.new_tokens,
-           "batch_lines": args.batch_lines, "stack_env": stack_env, **report(service, engine)}
+           "batch_lines": args.batch_lines, "stack_env": stack_env, **report(service, engine),
+           "concurrent_phases": concurrent_phases}
     print(json.dumps(out, indent=2))
     if args.out:
         args.out.write_text(json.dumps(out, indent=2) + "\n")

@@ -143,13 +143,16 @@ def choice_requests(request: dict) -> list[dict]:
 
 
 def start(node: Node, request_id: str, tenant: str, request: dict,
-          on_delta: Callable[[int, GenerationDelta], None] | None = None) -> list[tuple[str, Future]]:
+          on_delta: Callable[[int, GenerationDelta], None] | None = None,
+          timings: dict[str, float] | None = None) -> list[tuple[str, Future]]:
     """Hand the request's choices to the node's engine process: (engine request id, future) each, in choice order.
     A future's result is a GenerationResult; it raises RequestFailed when the model, adapter or prompt cannot be
     served. With on_delta, the choices stream: on_delta(choice, delta) gets their output as it is produced."""
     choices = choice_requests(request)
     ids = [request_id] if len(choices) == 1 else [f"{request_id}.{i}" for i in range(len(choices))]
     submissions = [prepare(node, i, tenant, c, Priority.LIVE) for i, c in zip(ids, choices)]
+    if timings is not None:
+        timings["prepared"] = time.time()
     callbacks = None
     if on_delta is not None:
         submissions = [dataclasses.replace(s, stream=True) for s in submissions]
@@ -266,8 +269,9 @@ def wait(node: Node, started: list[tuple[str, Future]], cancel_key: str) -> list
         return [future.result() for _, future in started]
 
 
-def run_request(node: Node, kind: str, record_id: str) -> None:
-    """One live request (a response, chat completion or completion) from its record to its result."""
+def run_request(node: Node, kind: str, record_id: str, pulled: float | None = None) -> None:
+    """One live request (a response, chat completion or completion) from its record to its result (pulled: when
+    the node's intake took it off its live list)."""
     store, redis = node.store, node.redis
     record = store.get(kind, record_id)
     # Attempts count here too: a request that kills its worker (out of memory, say) must not bounce forever.
@@ -280,7 +284,7 @@ def run_request(node: Node, kind: str, record_id: str) -> None:
             outputs_for(node).end(record_id)
         return
     # Wall-clock stamps (the API wrote "received"), so a slow request shows where its time went.
-    timings = {**(record.get("timings") or {}), "claimed": time.time()}
+    timings = {**(record.get("timings") or {}), **({"pulled": pulled} if pulled else {}), "claimed": time.time()}
     # A streaming request's output goes to its Redis stream as the engine produces it (serving/output_stream.py).
     outputs = outputs_for(node) if record["request"].get("stream") else None
     on_delta = shaped = None
@@ -291,7 +295,7 @@ def run_request(node: Node, kind: str, record_id: str) -> None:
             timings.setdefault("first_output", time.time())
             outputs.delta(record_id, choice, delta, shaped)
     try:
-        started = start(node, record_id, record["tenant"], record["request"], on_delta)
+        started = start(node, record_id, record["tenant"], record["request"], on_delta, timings)
         timings["submitted"] = time.time()
         results = wait(node, started, record_id)
         timings["generated"] = time.time()
@@ -303,6 +307,8 @@ def run_request(node: Node, kind: str, record_id: str) -> None:
         fields = {"status": "failed", "error": {"code": exc.code, "message": str(exc), "param": exc.param}}
     except Exception as exc:  # one bad request must not take the node down
         fields = {"status": "failed", "error": {"code": "server_error", "message": f"{type(exc).__name__}: {exc}"}}
+    if shaped is not None and shaped.first_written is not None:
+        timings["first_written"] = shaped.first_written
     fields.update(completed_at=now(), timings=timings)
     metrics.observe(kind, fields["status"], fields.get("result"), timings)
     if store.transition(kind, record_id, ["in_progress"], fields) and record.get("background"):

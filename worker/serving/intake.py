@@ -61,12 +61,12 @@ class Intake:
                 self.node.reserve(*item.split(":", 1))
             except Exception as exc:
                 print(f"xpu-jobs intake: could not note the reservation of {item}: {exc}", flush=True)
-            self.pool.submit(self._run, item)
+            self.pool.submit(self._run, item, time.time())
 
-    def _run(self, item: str) -> None:
+    def _run(self, item: str, pulled: float) -> None:
         try:
             kind, record_id = item.split(":", 1)
-            run_request(self.node, kind, record_id)
+            run_request(self.node, kind, record_id, pulled)
         except Exception as exc:  # run_request records its own failures; this is Redis failing under it
             print(f"xpu-jobs intake: {item}: {exc!r}", flush=True)
         finally:

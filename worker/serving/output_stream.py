@@ -6,6 +6,7 @@ thread (which calls on_delta for every request) never waits on Redis or the toke
 import json
 import queue
 import threading
+import time
 from typing import Callable
 
 import redis
@@ -54,6 +55,7 @@ class RequestOutput:
         self._tokenizer_of = tokenizer_of
         self._names = tool_calls.callable_tools(request)
         self._choices: dict[int, _Choice] = {}
+        self.first_written: float | None = None  # when its first entry reached Redis (the record's timings)
 
     def entries(self, choice: int, delta: GenerationDelta) -> list[dict]:
         logprobs = logprob_entries(self._tokenizer_of(), delta.logprobs) if delta.logprobs else []
@@ -130,12 +132,16 @@ class OutputStreams:
                 except queue.Empty:
                     break
             pipe = self._redis.pipeline(transaction=False)
+            firsts = []
             for record_id, *item in waiting:
                 try:
                     entries = self._entries(record_id, *item)
                 except Exception as exc:  # one request's shaping must not stop the others' output
                     print(f"xpu-jobs output streams: {record_id}: {exc!r}", flush=True)
                     entries = [{"end": 1}] if item[0] is None else []
+                output = item[2]
+                if entries and output is not None and output.first_written is None:
+                    firsts.append(output)
                 for fields in entries:
                     pipe.xadd(output_key(record_id), fields)
             for record_id in {record_id for record_id, *_ in waiting}:
@@ -144,3 +150,6 @@ class OutputStreams:
                 pipe.execute()
             except redis.RedisError as exc:  # the API reader times out and the record still has the result
                 print(f"xpu-jobs output streams: {exc}", flush=True)
+            written = time.time()
+            for output in firsts:
+                output.first_written = written
