@@ -1,5 +1,6 @@
 """Dependencies shared by the routers: settings, the record store, Redis, Celery, and the caller's tenant."""
 
+import asyncio
 import hmac
 from typing import Annotated
 
@@ -13,23 +14,25 @@ from contract.records import RecordStore
 from contract.settings import Settings
 
 
-def get_settings(request: Request) -> Settings:
+# Dependencies are coroutines: a plain function would be run in the thread pool, a hand-off per dependency and
+# request, which a burst of requests queues for behind each other's Redis calls.
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_store(request: Request) -> RecordStore:
+async def get_store(request: Request) -> RecordStore:
     return request.app.state.store
 
 
-def get_redis(request: Request) -> redis.Redis:
+async def get_redis(request: Request) -> redis.Redis:
     return request.app.state.store.redis
 
 
-def get_celery(request: Request) -> Celery:
+async def get_celery(request: Request) -> Celery:
     return request.app.state.celery
 
 
-def get_limiter(request: Request) -> TenantLimiter:
+async def get_limiter(request: Request) -> TenantLimiter:
     return request.app.state.limiter
 
 
@@ -50,10 +53,12 @@ def _bearer(authorization: str | None) -> str:
     return authorization[7:].strip()
 
 
-def get_tenant(request: Request, settings: Annotated[Settings, Depends(get_settings)],
-               authorization: Annotated[str | None, Header()] = None) -> str:
+async def get_tenant(request: Request, settings: Annotated[Settings, Depends(get_settings)],
+                     authorization: Annotated[str | None, Header()] = None) -> str:
     tenant = _authenticate(settings, authorization)
-    request.app.state.limiter.check_rate(tenant)  # every call of the tenant counts
+    limiter = request.app.state.limiter
+    if limiter.limits_rate(tenant):  # every call of the tenant counts (in Redis: off the event loop)
+        await asyncio.to_thread(limiter.check_rate, tenant)
     return tenant
 
 
@@ -66,13 +71,13 @@ def _authenticate(settings: Settings, authorization: str | None) -> str:
     return settings.api_keys[key]
 
 
-def get_viewer(request: Request, settings: Annotated[Settings, Depends(get_settings)],
-               authorization: Annotated[str | None, Header()] = None) -> str | None:
+async def get_viewer(request: Request, settings: Annotated[Settings, Depends(get_settings)],
+                     authorization: Annotated[str | None, Header()] = None) -> str | None:
     """For operator views: None for an admin key (everything), else the caller's tenant (its own part)."""
     if authorization and settings.admin_api_keys and \
             _matching(_bearer(authorization), settings.admin_api_keys) is not None:
         return None
-    return get_tenant(request, settings, authorization)
+    return await get_tenant(request, settings, authorization)
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]

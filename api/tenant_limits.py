@@ -25,6 +25,9 @@ class TenantLimiter:
         self.settings = settings
         self.rate = MovingWindowRateLimiter(RedisStorage(settings.redis_url, key_prefix="xpujobs-ratelimit"))
 
+    def limits_rate(self, tenant: str) -> bool:
+        return bool(self.settings.limit(tenant, "requests_per_minute"))
+
     def check_rate(self, tenant: str) -> None:
         per_minute = self.settings.limit(tenant, "requests_per_minute")
         if not per_minute:

@@ -1,5 +1,6 @@
 """Choosing the queue for a job from the live workers, so it only reaches a worker that can run it."""
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,8 +66,17 @@ def choose_queue(workers: list[dict], need: Requirement) -> str:
 def weights_bytes(models_root: Path, model: str) -> int:
     """Bytes of a local model's weight files (0 for a Hub id we cannot see from here)."""
     directory = models_root / model
-    if not directory.is_dir():
+    try:
+        changed = directory.stat().st_mtime_ns
+    except OSError:
         return 0
+    return _weights_bytes(directory, changed) if directory.is_dir() else 0
+
+
+@functools.lru_cache(maxsize=256)
+def _weights_bytes(directory: Path, changed: int) -> int:
+    """Read once per version of the directory (files added, removed or renamed in it change its mtime): every live
+    request is routed by it, and listing a directory of shards per request costs a burst more than a stat."""
     return sum(p.stat().st_size for p in directory.glob("*.safetensors")) or \
         sum(p.stat().st_size for p in directory.glob("*.bin"))
 
