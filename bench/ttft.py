@@ -110,8 +110,12 @@ def measure_service(stack: Stack, prompts: list[str], new_tokens: int, batch_lin
     moments: list = []
     before = cpu_seconds(stack)
     with ThreadPoolExecutor(len(prompts)) as pool:
-        loaded = list(pool.map(lambda p: first_chunk(stack, p, new_tokens, moments), prompts))
-    after = cpu_seconds(stack)
+        futures = [pool.submit(first_chunk, stack, p, new_tokens, moments) for p in prompts]
+        # the CPU spent until every chat had its first event
+        while len(moments) < len(prompts) and not all(f.done() for f in futures):
+            time.sleep(0.002)
+        after = cpu_seconds(stack)
+        loaded = [f.result() for f in futures]
     used = {name: round(after[name] - before.get(name, 0.0), 3) for name in after}
     result = {"idle": idle, "loaded": loaded,
               "concurrent_phases": {**phases(stack, moments), "cpu_seconds": used}}

@@ -135,6 +135,15 @@ class RecordStore:
         """Apply fields (normally a new status) only if the current status is one of from_status."""
         return bool(self._cas(keys=[_key(kind, record_id)], args=[*from_status, json.dumps(_encode(fields))]))
 
+    def transition_many(self, records: list[tuple[str, str]], from_status: Iterable[str],
+                        fields: dict[str, Any]) -> list[bool]:
+        """transition for several (kind, record id), in one round trip; whether each one changed."""
+        pipe = self.redis.pipeline(transaction=False)
+        encoded = json.dumps(_encode(fields))
+        for kind, record_id in records:
+            self._cas(keys=[_key(kind, record_id)], args=[*from_status, encoded], client=pipe)
+        return [bool(changed) for changed in pipe.execute()]
+
     def transition_and_track(self, kind: str, record_id: str, from_status: Iterable[str], fields: dict[str, Any],
                              track: dict[str, list[str]]) -> bool:
         """transition, and in the same transaction hand records (kind -> ids) to the reconciler: either the

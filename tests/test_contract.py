@@ -8,7 +8,7 @@ import pytest
 from contract import events, registry
 from contract.layout import fine_tuned_model_id, parse_fine_tuned, safe_name
 from contract.records import RecordStore, new_id
-from contract.routing import NoCapableWorker, Requirement, choose_queue
+from contract.routing import NoCapableWorker, Requirement, choose_queue, weights_bytes
 from contract.training_data import validate_training_bytes
 
 
@@ -24,6 +24,15 @@ def test_compare_and_set_allows_one_winner(store):
     assert not store.transition("ftjob", record["id"], ["queued"], {"status": "running", "attempts": 2})
     assert store.get("ftjob", record["id"])["attempts"] == 1
     assert store.get("ftjob", record["id"], tenant="other") is None
+
+
+def test_transition_many_changes_only_the_records_in_a_given_status(store):
+    ids = [new_id("chat") for _ in range(3)]
+    for record_id, status in zip(ids, ["queued", "in_progress", "queued"]):
+        store.create("chat", {"id": record_id, "tenant": "t", "status": status, "created_at": 0})
+    assert store.transition_many([("chat", i) for i in ids], ["queued"], {"reserved_by": "n/1"}) == \
+        [True, False, True]
+    assert [store.get("chat", i).get("reserved_by") for i in ids] == ["n/1", None, "n/1"]
 
 
 def test_listing_is_newest_first_with_cursor(store):
@@ -80,6 +89,20 @@ def test_routing_counts_free_memory_and_loaded_models():
     assert choose_queue([crowded], Requirement(20, model="m-loaded")) == "xpujobs.cuda"
     with pytest.raises(NoCapableWorker, match="GiB"):
         choose_queue([crowded], Requirement(20, model="m-other"))
+
+
+def test_weights_bytes_follow_the_model_directory(tmp_path):
+    """Read once per version of the directory: a shard added (or removed) is counted at the next request."""
+    model = tmp_path / "m"
+    assert weights_bytes(tmp_path, "m") == 0
+    model.mkdir()
+    (model / "model-1.safetensors").write_bytes(b"x" * 10)
+    assert weights_bytes(tmp_path, "m") == 10
+    time.sleep(0.01)  # a coarse-grained mtime would hide the change
+    (model / "model-2.safetensors").write_bytes(b"x" * 5)
+    assert weights_bytes(tmp_path, "m") == 15
+    (model / "model-1.safetensors").unlink()
+    assert weights_bytes(tmp_path, "m") == 5
 
 
 def test_model_ids_and_names():

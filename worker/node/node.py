@@ -63,6 +63,10 @@ class Node:
         before claiming it, the message sits unacked in Redis, and the reconciler publishes the record again."""
         self.store.transition(kind, record_id, ["queued"], {"reserved_by": self.instance})
 
+    def reserve_many(self, records: list[tuple[str, str]]) -> None:
+        """reserve for several (kind, record id), in one round trip."""
+        self.store.transition_many(records, ["queued"], {"reserved_by": self.instance})
+
     def claim(self, kind: str, record_id: str, fields: dict) -> bool:
         """Take a queued record: the lease is held before the status says running, so the reconciler never
         sees a running record without one."""

@@ -15,6 +15,20 @@ from worker.serving.inference import run_request
 # How long one wait on the backend's list lasts before this node's own list is looked at again (requests routed
 # to this node alone are rare: only when not every node of the backend can hold the model).
 POLL_SECONDS = 0.05
+# Requests taken in one round trip at most: a burst is pulled, and reserved, a few round trips for all rather than
+# three for each, while several nodes of a backend still share it.
+TAKE_AT_ONCE = 16
+# Moves up to ARGV[1] requests, this node's own list first, onto its taken list; each move is atomic as LMOVE is.
+_TAKE = """
+local taken = {}
+for _ = 1, tonumber(ARGV[1]) do
+  local item = redis.call('LMOVE', KEYS[1], KEYS[3], 'RIGHT', 'LEFT') or
+    redis.call('LMOVE', KEYS[2], KEYS[3], 'RIGHT', 'LEFT')
+  if not item then break end
+  taken[#taken + 1] = item
+end
+return taken
+"""
 
 
 class Intake:
@@ -22,8 +36,10 @@ class Intake:
         self.node = node
         self.redis = sync_client(node.settings)  # its own connection: it blocks on it
         room = node.settings.live_max_requests
-        self.room = threading.BoundedSemaphore(room)
+        self.free = room  # requests this node may still start (guarded by room)
+        self.room = threading.Condition()
         self.pool = ThreadPoolExecutor(room, thread_name_prefix="xpujobs-live")
+        self._take = self.redis.register_script(_TAKE)
         self.shared = live.live_list(backend_queue(node.backend))
         self.own = live.live_list(node_queue(node.name))
         self.taken = live.taken_list(node.name)
@@ -44,24 +60,33 @@ class Intake:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self.room.acquire()
+            with self.room:
+                self.room.wait_for(lambda: self.free > 0)
+                wanted = min(self.free, TAKE_AT_ONCE)
             try:
-                item = self.redis.lmove(self.own, self.taken, "RIGHT", "LEFT") or \
-                    self.redis.blmove(self.shared, self.taken, POLL_SECONDS, "RIGHT", "LEFT")
+                items = self._take(keys=[self.own, self.shared, self.taken], args=[wanted])
+                if not items:
+                    item = self.redis.blmove(self.shared, self.taken, POLL_SECONDS, "RIGHT", "LEFT")
+                    items = [item] if item is not None else []
             except Exception as exc:  # a Redis blip: try again shortly
                 print(f"xpu-jobs intake: {exc}", flush=True)
-                item = None
+                items = []
                 time.sleep(1)
-            if item is None or self._stop.is_set():
-                if item is not None:  # stopping: leave it for another node
-                    self.redis.lmove(self.taken, self.shared, "LEFT", "RIGHT")
-                self.room.release()
+            if not items:
                 continue
-            try:  # as a Celery task's arrival does: a node gone before claiming it leaves it to the reconciler
-                self.node.reserve(*item.split(":", 1))
+            if self._stop.is_set():  # stopping: leave them for another node, in their order
+                for _ in items:
+                    self.redis.lmove(self.taken, self.shared, "LEFT", "RIGHT")
+                continue
+            with self.room:
+                self.free -= len(items)
+            pulled = time.time()
+            try:  # as a Celery task's arrival does: a node gone before claiming one leaves it to the reconciler
+                self.node.reserve_many([item.split(":", 1) for item in items])
             except Exception as exc:
-                print(f"xpu-jobs intake: could not note the reservation of {item}: {exc}", flush=True)
-            self.pool.submit(self._run, item, time.time())
+                print(f"xpu-jobs intake: could not note the reservation of {items}: {exc}", flush=True)
+            for item in items:
+                self.pool.submit(self._run, item, pulled)
 
     def _run(self, item: str, pulled: float) -> None:
         try:
@@ -70,7 +95,9 @@ class Intake:
         except Exception as exc:  # run_request records its own failures; this is Redis failing under it
             print(f"xpu-jobs intake: {item}: {exc!r}", flush=True)
         finally:
-            self.room.release()
+            with self.room:
+                self.free += 1
+                self.room.notify()
             try:
                 self.redis.lrem(self.taken, 1, item)
             except Exception as exc:  # left there, a restart of this node pulls it again and finds it claimed
