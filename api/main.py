@@ -12,7 +12,7 @@ from api.tenant_limits import TenantLimiter
 from contract import retention
 from contract.queues import make_celery
 from contract.records import RecordStore
-from contract.redis_conn import async_client, sync_client
+from contract.redis_conn import async_client, open_connections, open_connections_async, sync_client
 from contract.settings import Settings
 
 
@@ -36,10 +36,14 @@ def create_app(settings: Settings | None = None) -> errors.BodyLimits:
         gc.collect()
         gc.freeze()
         sweeper = asyncio.create_task(_sweep_forever(app.state.store, settings))
+        # In the background: a Redis still starting must not hold up the API's start.
+        warming = [asyncio.create_task(open_connections_async(app.state.aioredis)),
+                   asyncio.create_task(asyncio.to_thread(open_connections, app.state.store.redis))]
         yield
-        sweeper.cancel()
-        with suppress(asyncio.CancelledError):
-            await sweeper
+        for task in (sweeper, *warming):
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
         await app.state.aioredis.aclose()
 
     # Bodies are cut off as they stream in, before anything is spooled to disk; the slack is multipart's framing

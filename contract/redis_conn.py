@@ -59,3 +59,37 @@ def async_client(settings: Settings) -> aioredis.Redis:
         health_check_interval=HEALTH_CHECK_SECONDS,
         socket_connect_timeout=5, socket_keepalive=True, retry=AsyncRetry(_backoff(), RETRIES), driver_info=DRIVER)
     return aioredis.Redis(connection_pool=pool)
+
+
+# Connections a process opens before its first burst: a live request holds one while it waits (a stream's blocking
+# read in the API, a request thread's calls in a node), and one opened during a burst is a connect and a handshake
+# that the request waits for, per request.
+WARM_CONNECTIONS = 32
+
+
+def open_connections(client: redis.Redis, n: int = WARM_CONNECTIONS) -> None:
+    """Open up to n of the client's pool's connections and leave them in the pool (fewer if Redis is away)."""
+    pool, opened = client.connection_pool, []
+    try:
+        for _ in range(min(n, pool.max_connections)):
+            opened.append(pool.get_connection())
+    except (ConnectionError, TimeoutError, OSError):
+        pass
+    finally:
+        for connection in opened:
+            pool.release(connection)
+
+
+async def open_connections_async(client: aioredis.Redis, n: int = WARM_CONNECTIONS) -> None:
+    """open_connections for an asyncio client."""
+    pool = client.connection_pool
+    opened = []
+    try:
+        for _ in range(min(n, pool.max_connections)):
+            opened.append(await pool.get_connection())
+    except (ConnectionError, TimeoutError, OSError):
+        pass
+    finally:
+        for connection in opened:
+            await pool.release(connection)
+

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from contract import live
 from contract.queues import backend_queue, node_queue
-from contract.redis_conn import sync_client
+from contract.redis_conn import open_connections, sync_client
 from worker.node.node import Node
 from worker.serving.inference import run_request
 
@@ -50,6 +50,9 @@ class Intake:
         # their lease lapses and the reconciler requeues them).
         while self.redis.lmove(self.taken, self.own, "RIGHT", "LEFT"):
             pass
+        # The request threads' connections (node.redis), opened before a burst needs them.
+        threading.Thread(target=open_connections, args=(self.node.redis,), name="xpujobs-warm-redis",
+                         daemon=True).start()
         threading.Thread(target=self._loop, name="xpujobs-intake", daemon=True).start()
 
     def stop(self, wait: bool) -> None:
