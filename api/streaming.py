@@ -20,6 +20,23 @@ from contract.live import output_key
 from contract.records import RecordStore
 
 BLOCK_MS = 1000
+# While this process reads streams more than BUSY_READS times in READ_INTERVAL_SECONDS, each stream is read at most
+# once in that interval after its first output. Each read is an event sent, and read at every engine step (a few ms
+# apart on a GPU), the streams of a burst's first requests would take the event loop from the requests still
+# arriving; a read that waited brings every step since, joined into one event (deltas()). Otherwise (a few
+# streams) each is read as its output comes.
+BUSY_READS = 16
+READ_INTERVAL_SECONDS = 0.02
+_window = [0.0, 0]  # the current interval's start, and the reads in it
+
+
+def _busy() -> bool:
+    """Counts a read; whether this interval's reads are over BUSY_READS."""
+    now = time.monotonic()
+    if now - _window[0] > READ_INTERVAL_SECONDS:
+        _window[:] = [now, 0]
+    _window[1] += 1
+    return _window[1] > BUSY_READS
 
 
 @dataclass
@@ -42,15 +59,17 @@ class ClientGone(Exception):
 async def _read(client, record_id: str, timeout: float, request: Request) -> AsyncIterator[list[dict]]:
     """The stream's entries as they arrive, a list per read, until (and with) the end entry. Raises ClientGone
     if the client disconnects before the first output (after it, the event stream's own watch sees that)."""
-    deadline, last = time.monotonic() + timeout, "0-0"
+    deadline, last, read_at = time.monotonic() + timeout, "0-0", None
     while time.monotonic() < deadline:
+        if read_at is not None and _busy() and (wait := read_at + READ_INTERVAL_SECONDS - time.monotonic()) > 0:
+            await asyncio.sleep(wait)
         reply = await client.xread({output_key(record_id): last}, block=BLOCK_MS, count=1000)
         if not reply:
             if last == "0-0" and await request.is_disconnected():
                 raise ClientGone
             continue
         entries = reply[0][1]
-        last = entries[-1][0]
+        last, read_at = entries[-1][0], time.monotonic()
         yield [fields for _, fields in entries]
         if "end" in entries[-1][1]:
             return

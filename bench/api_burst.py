@@ -13,12 +13,12 @@ so its figures have next to no client in them.
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,17 +29,33 @@ import redis
 from worker.node.redis_server import free_port, start_redis
 
 
-def stand_in_node(client: redis.Redis, stop: threading.Event, pulled: dict) -> None:
-    """Takes each live request off the cpu list and writes its first (and last) output at once."""
+def stand_in_node(port: int, stop, entries: int, step: float) -> None:
+    """Takes each live request off the cpu list and writes its first output at once, then (like an engine's
+    steps) one more entry every `step` seconds for all the running requests together, up to `entries`, then the
+    end. A process of its own, so the client's GIL does not slow it; when it pulled each request goes to the hash
+    bench:pulled."""
+    client = redis.Redis(port=port, decode_responses=True)
+    running: dict[str, int] = {}
+    next_step = time.monotonic()
     while not stop.is_set():
-        item = client.blmove("live:xpujobs.cpu", "live-taken:bench", 0.05, "RIGHT", "LEFT")
-        if item is None:
-            continue
-        record_id = item.split(":", 1)[1]
-        pulled[record_id] = time.time()
+        item = client.blmove("live:xpujobs.cpu", "live-taken:bench", 0.002 if running else 0.05, "RIGHT", "LEFT")
         pipe = client.pipeline(transaction=False)
-        pipe.xadd(f"output:{record_id}", {"c": 0, "t": "x"})
-        pipe.xadd(f"output:{record_id}", {"end": 1})
+        if item is not None:
+            record_id = item.split(":", 1)[1]
+            pipe.hset("bench:pulled", record_id, time.time())
+            running[record_id] = 0
+        if time.monotonic() >= next_step or item is not None:
+            if time.monotonic() >= next_step:
+                next_step = time.monotonic() + step
+                due = list(running)
+            else:
+                due = [record_id]
+            for record_id in due:
+                running[record_id] += 1
+                pipe.xadd(f"output:{record_id}", {"c": 0, "t": "x"})
+                if running[record_id] >= entries:
+                    pipe.xadd(f"output:{record_id}", {"end": 1})
+                    del running[record_id]
         pipe.execute()
 
 
@@ -75,6 +91,8 @@ async def raw_client(port: int, n: int) -> list[tuple[str, float, float]]:
         while b"data:" not in buffer or not buffer.split(b"data:", 1)[1].split(b"\r\n", 1)[1:]:
             buffer += await reader.read(65536)
         first = time.time()
+        while b"[DONE]" not in buffer and (more := await reader.read(65536)):  # the rest, as a client reads it
+            buffer += more
         writer.close()
         return json.loads(buffer.split(b"data:", 1)[1].split(b"\r\n", 1)[0])["id"], sent, first
 
@@ -87,6 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--api-workers", type=int, default=4)
     ap.add_argument("--client", choices=("threads", "raw"), default="threads")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--entries", type=int, default=1, help="output entries per request (one per step)")
+    ap.add_argument("--step-ms", type=float, default=10.0, help="time between a stand-in engine's steps")
     ap.add_argument("--profile", type=Path, help="(with --api-workers 1) cProfile the API process into this file")
     args = ap.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="xpujobs-api-burst-"))
@@ -110,8 +130,10 @@ def main(argv=None) -> int:
         command = [sys.executable, "-m", "worker.cli", *argv]
     api = subprocess.Popen(command, env=env, stdout=(root / "api.log").open("wb"), stderr=subprocess.STDOUT,
                            start_new_session=True)
-    stop, pulled = threading.Event(), {}
-    threading.Thread(target=stand_in_node, args=(client, stop, pulled), daemon=True).start()
+    stop = multiprocessing.Event()
+    node = multiprocessing.Process(target=stand_in_node, args=(redis_port, stop, args.entries, args.step_ms / 1e3),
+                                   daemon=True)
+    node.start()
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -148,14 +170,20 @@ def main(argv=None) -> int:
                 "sent_spread_ms": 1e3 * (max(sent for _, sent, _ in moments) - t0),
                 "received_p50_ms": 1e3 * statistics.median(r - t0 for r in received),
                 "received_spread_ms": 1e3 * (max(received) - min(received)),
-                "pulled_p50_ms": 1e3 * statistics.median(pulled[rid] - t0 for rid, _, _ in moments),
+                "pulled_p50_ms": 1e3 * statistics.median(float(client.hget("bench:pulled", rid)) - t0
+                                                         for rid, _, _ in moments),
                 "first_event_p50_ms": 1e3 * statistics.median(first - t0 for _, _, first in moments)})
+        if args.api_workers == 1:  # CPU seconds by thread: the event loop's (the first) and the pool threads'
+            threads = sorted(psutil.Process(api.pid).threads(), key=lambda t: t.id)
+            print(json.dumps({"event_loop": round(threads[0].user_time + threads[0].system_time, 3),
+                              "other_threads": round(sum(t.user_time + t.system_time for t in threads[1:]), 3)}))
         out = {"requests": args.requests, "api_workers": args.api_workers, "client": args.client,
                "first_burst": {k: round(v, 1) for k, v in rounds[0].items()},
                "later_bursts": {k: round(statistics.median(r[k] for r in rounds[1:]), 1) for k in rounds[1]}}
         print(json.dumps(out))
     finally:
         stop.set()
+        node.join(5)
         api.send_signal(15)
         api.wait(30)
         redis_proc.terminate()
