@@ -36,6 +36,25 @@ end
 return 0
 """
 
+# _CAS and the lease in one step, for a node taking a record: where the status is one of ARGV[4..], the lease
+# (KEYS[2]) is set to ARGV[1] for ARGV[2] ms, the fields (ARGV[3]) applied and attempts counted; where it is not,
+# neither key changes (another holder's lease stays). Returns whether it was taken, and the record as it is now.
+_CLAIM = """
+local current = redis.call('HGET', KEYS[1], 'status')
+if not current then return {0, {}} end
+current = cjson.decode(current)
+for i = 4, #ARGV do
+  if ARGV[i] == current then
+    redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+    for k, v in pairs(cjson.decode(ARGV[3])) do redis.call('HSET', KEYS[1], k, v) end
+    local attempts = tonumber(cjson.decode(redis.call('HGET', KEYS[1], 'attempts') or 'null')) or 0
+    redis.call('HSET', KEYS[1], 'attempts', string.format('%d', attempts + 1))
+    return {1, redis.call('HGETALL', KEYS[1])}
+  end
+end
+return {0, redis.call('HGETALL', KEYS[1])}
+"""
+
 
 def new_id(kind: str) -> str:
     return ID_PREFIX[kind] + secrets.token_hex(12)
@@ -71,6 +90,7 @@ class RecordStore:
     def __init__(self, client: redis.Redis):
         self.redis = client
         self._cas = client.register_script(_CAS)
+        self._claim = client.register_script(_CLAIM)
 
     def create(self, kind: str, record: dict[str, Any], idempotency_key: str | None = None, *,
                track: bool = False) -> tuple[dict, bool]:
@@ -135,14 +155,18 @@ class RecordStore:
         """Apply fields (normally a new status) only if the current status is one of from_status."""
         return bool(self._cas(keys=[_key(kind, record_id)], args=[*from_status, json.dumps(_encode(fields))]))
 
-    def transition_many(self, records: list[tuple[str, str]], from_status: Iterable[str],
-                        fields: dict[str, Any]) -> list[bool]:
-        """transition for several (kind, record id), in one round trip; whether each one changed."""
+    def claim_many(self, records: list[tuple[str, str]], from_status: Iterable[str], fields: dict[str, Any],
+                   lease_keys: list[str], holder: str, lease_seconds: float) -> list[tuple[bool, dict | None]]:
+        """For each (kind, record id), in one round trip: where its status is one of from_status, its lease (the
+        matching lease key) is held by holder and fields applied, its attempts counted, as one step (the reconciler
+        never sees it running without a lease). Each: (whether it was taken, the record after, None if gone)."""
         pipe = self.redis.pipeline(transaction=False)
         encoded = json.dumps(_encode(fields))
-        for kind, record_id in records:
-            self._cas(keys=[_key(kind, record_id)], args=[*from_status, encoded], client=pipe)
-        return [bool(changed) for changed in pipe.execute()]
+        for (kind, record_id), lease in zip(records, lease_keys, strict=True):
+            self._claim(keys=[_key(kind, record_id), lease],
+                        args=[holder, int(lease_seconds * 1000), encoded, *from_status], client=pipe)
+        return [(bool(taken), {k: json.loads(v) for k, v in zip(raw[::2], raw[1::2])} if raw else None)
+                for taken, raw in pipe.execute()]
 
     def transition_and_track(self, kind: str, record_id: str, from_status: Iterable[str], fields: dict[str, Any],
                              track: dict[str, list[str]]) -> bool:

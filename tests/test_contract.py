@@ -26,13 +26,20 @@ def test_compare_and_set_allows_one_winner(store):
     assert store.get("ftjob", record["id"], tenant="other") is None
 
 
-def test_transition_many_changes_only_the_records_in_a_given_status(store):
-    ids = [new_id("chat") for _ in range(3)]
-    for record_id, status in zip(ids, ["queued", "in_progress", "queued"]):
-        store.create("chat", {"id": record_id, "tenant": "t", "status": status, "created_at": 0})
-    assert store.transition_many([("chat", i) for i in ids], ["queued"], {"reserved_by": "n/1"}) == \
-        [True, False, True]
-    assert [store.get("chat", i).get("reserved_by") for i in ids] == ["n/1", None, "n/1"]
+def test_a_group_claimed_together_takes_only_the_queued_and_leaves_another_holders_lease(store, redis_client):
+    ids = [new_id("chat") for _ in range(4)]
+    for record_id, status, attempts in zip(ids, ["queued", "in_progress", "queued"], [None, 1, 2]):
+        store.create("chat", {"id": record_id, "tenant": "t", "status": status, "created_at": 0,
+                              **({"attempts": attempts} if attempts else {})})
+    events.refresh_lease(redis_client, ids[1], "other-node", 60)  # ids[1] runs elsewhere; ids[3] does not exist
+    claims = store.claim_many([("chat", i) for i in ids], ["queued"], {"status": "in_progress", "node": "n"},
+                              [events.lease_key(i) for i in ids], "n", 30)
+    assert [taken for taken, _ in claims] == [True, False, True, False]
+    assert [c and (c["status"], c.get("node"), c.get("attempts")) for _, c in claims] == \
+        [("in_progress", "n", 1), ("in_progress", None, 1), ("in_progress", "n", 3), None]
+    assert claims[0][1] == store.get("chat", ids[0])
+    assert events.lease_holders(redis_client, ids) == ["n", "other-node", "n", None]
+    assert 0 < redis_client.pttl(events.lease_key(ids[0])) <= 30_000
 
 
 def test_listing_is_newest_first_with_cursor(store):

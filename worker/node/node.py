@@ -63,9 +63,22 @@ class Node:
         before claiming it, the message sits unacked in Redis, and the reconciler publishes the record again."""
         self.store.transition(kind, record_id, ["queued"], {"reserved_by": self.instance})
 
-    def reserve_many(self, records: list[tuple[str, str]]) -> None:
-        """reserve for several (kind, record id), in one round trip."""
-        self.store.transition_many(records, ["queued"], {"reserved_by": self.instance})
+    def claim_many(self, records: list[tuple[str, str]], fields: dict) -> list[tuple[bool, dict | None]]:
+        """claim for several queued (kind, record id) at once, in one round trip (each lease and status set in
+        one step, attempts counted, reserved_by this instance): (whether it was taken, the record after) each."""
+        ids = [record_id for _, record_id in records]
+        with self._lock:  # before the leases exist, so a heartbeat between them renews them
+            self.current_jobs.update(ids)
+        try:
+            claims = self.store.claim_many(records, ["queued"], {**fields, "reserved_by": self.instance},
+                                           [events.lease_key(i) for i in ids], self.name, self.settings.lease_seconds)
+        except Exception:  # what was taken meanwhile is not renewed: its lease lapses and the reconciler requeues it
+            with self._lock:
+                self.current_jobs.difference_update(ids)
+            raise
+        with self._lock:
+            self.current_jobs.difference_update(i for i, (taken, _) in zip(ids, claims) if not taken)
+        return claims
 
     def claim(self, kind: str, record_id: str, fields: dict) -> bool:
         """Take a queued record: the lease is held before the status says running, so the reconciler never

@@ -269,22 +269,21 @@ def wait(node: Node, started: list[tuple[str, Future]], cancel_key: str) -> list
         return [future.result() for _, future in started]
 
 
-def run_request(node: Node, kind: str, record_id: str, pulled: float | None = None) -> None:
-    """One live request (a response, chat completion or completion) from its record to its result (pulled: when
-    the node's intake took it off its live list)."""
+def run_request(node: Node, kind: str, record_id: str, record: dict | None, current: dict | None,
+                stamps: dict[str, float]) -> None:
+    """One live request (a response, chat completion or completion) from its record to its result: record, the
+    record as the node's intake claimed it (Node.claim_many), None when it was not queued (current: as it was then,
+    None when gone); stamps: when the intake pulled and claimed it."""
     store, redis = node.store, node.redis
-    record = store.get(kind, record_id)
-    # Attempts count here too: a request that kills its worker (out of memory, say) must not bounce forever.
-    if record is None or not node.claim(kind, record_id, {"status": "in_progress", "node": node.name,
-                                                          "attempts": int(record.get("attempts") or 0) + 1}):
+    if record is None:
         # Ended before it started (a background response cancelled while queued): a stream waiting on it ends too.
         # Not one that another delivery is running: that one ends its stream itself.
-        current = store.get(kind, record_id) if record is not None and record["request"].get("stream") else None
-        if current is not None and current["status"] in ("completed", "failed", "cancelled"):
+        if current is not None and current["request"].get("stream") \
+                and current["status"] in ("completed", "failed", "cancelled"):
             outputs_for(node).end(record_id)
         return
     # Wall-clock stamps (the API wrote "received"), so a slow request shows where its time went.
-    timings = {**(record.get("timings") or {}), **({"pulled": pulled} if pulled else {}), "claimed": time.time()}
+    timings = {**(record.get("timings") or {}), **stamps}
     # A streaming request's output goes to its Redis stream as the engine produces it (serving/output_stream.py).
     outputs = outputs_for(node) if record["request"].get("stream") else None
     on_delta = shaped = None

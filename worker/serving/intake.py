@@ -1,6 +1,7 @@
-"""A node's intake of live inference requests (contract.live): it pulls a request from the live lists whenever
-it has room for one more and runs it in a thread of its own (the threads only wait: the engine batches every
-running request together). Requests beyond its room stay in Redis for the next node with room."""
+"""A node's intake of live inference requests (contract.live): it pulls requests from the live lists whenever it
+has room for one more, claims what one pull brought together, and runs each in a thread of its own (the threads
+only wait: the engine batches every running request together). Requests beyond its room stay in Redis for the next
+node with room."""
 
 import threading
 import time
@@ -77,24 +78,39 @@ class Intake:
                 time.sleep(1)
             if not items:
                 continue
-            if self._stop.is_set():  # stopping: leave them for another node, in their order
-                for _ in items:
-                    self.redis.lmove(self.taken, self.shared, "LEFT", "RIGHT")
+            if self._stop.is_set():  # stopping: leave them for another node
+                self._give_back(items)
                 continue
+            pulled = time.time()
+            # The whole group claimed in one round trip, here: claimed one by one in the request threads, a burst
+            # reached the engine one claim after another (each thread's round trips waiting on the GIL).
+            refs = [tuple(item.split(":", 1)) for item in items]
+            try:
+                claims = self.node.claim_many(refs, {"status": "in_progress", "node": self.node.name})
+            except Exception as exc:  # a Redis blip: pulled again (those taken meanwhile: the reconciler's)
+                print(f"xpu-jobs intake: could not claim {items}: {exc!r}", flush=True)
+                try:
+                    self._give_back(items)
+                except Exception as again:  # left on the taken list: a restart of this node takes them back
+                    print(f"xpu-jobs intake: could not give back {items}: {again!r}", flush=True)
+                time.sleep(1)
+                continue
+            claimed = time.time()
             with self.room:
                 self.free -= len(items)
-            pulled = time.time()
-            try:  # as a Celery task's arrival does: a node gone before claiming one leaves it to the reconciler
-                self.node.reserve_many([item.split(":", 1) for item in items])
-            except Exception as exc:
-                print(f"xpu-jobs intake: could not note the reservation of {items}: {exc}", flush=True)
-            for item in items:
-                self.pool.submit(self._run, item, pulled)
+            for item, (kind, record_id), (taken, record) in zip(items, refs, claims):
+                self.pool.submit(self._run, item, kind, record_id, record if taken else None, record,
+                                 {"pulled": pulled, "claimed": claimed})
 
-    def _run(self, item: str, pulled: float) -> None:
+    def _give_back(self, items: list[str]) -> None:
+        """Back on the backend's list, in their order (the last pulled are at the taken list's left end)."""
+        for _ in items:
+            self.redis.lmove(self.taken, self.shared, "LEFT", "RIGHT")
+
+    def _run(self, item: str, kind: str, record_id: str, claimed: dict | None, current: dict | None,
+             stamps: dict[str, float]) -> None:
         try:
-            kind, record_id = item.split(":", 1)
-            run_request(self.node, kind, record_id, pulled)
+            run_request(self.node, kind, record_id, claimed, current, stamps)
         except Exception as exc:  # run_request records its own failures; this is Redis failing under it
             print(f"xpu-jobs intake: {item}: {exc!r}", flush=True)
         finally:
