@@ -315,6 +315,29 @@ def test_mixed_lora_batch_matches_each_adapter_alone(tiny_dir, tokenizer, adapte
         assert r.output_ids == ref, (n, r.output_ids, ref)
 
 
+
+def test_a_step_without_adapter_rows_skips_the_adapters(tiny_dir, tokenizer, adapter_dirs):
+    """With adapters loaded, a step whose rows all run the base leaves the adapters' matmuls out (and gives the
+    base's tokens); once an adapter row is in the step they run again."""
+    from peft import PeftModel
+
+    pm = PeftModel.from_pretrained(load(tiny_dir), adapter_dirs["alpha"], adapter_name="alpha").eval()
+    ps = prompts(3, seed=4)
+    with pm.disable_adapter():
+        base_refs = [reference(pm, p) for p in ps]
+    pm.set_adapter("alpha")
+    alpha_ref = reference(pm, ps[0])
+    assert alpha_ref != base_refs[0]
+    kw = dict(device="cpu", memory_budget_bytes=64 * MB, max_batch_size=4, native=True, max_seq_len=128)
+    with Engine(pm, tokenizer, **kw) as eng:
+        res = eng.generate([greedy(p, i) for i, p in enumerate(ps)])
+    assert eng.stats["decode_steps_without_adapters"] == eng.stats["decode_steps"] > 0  # read once it stopped
+    with Engine(pm, tokenizer, **kw) as eng:
+        mixed = eng.generate([greedy(ps[0], "a", adapter="alpha"), greedy(ps[1], "b")])
+    assert eng.stats["decode_steps_without_adapters"] == 0
+    assert [r.output_ids for r in res] == base_refs
+    assert [r.output_ids for r in mixed] == [alpha_ref, base_refs[1]]
+
 @pytest.mark.parametrize("native,static", [(True, None), (False, None), (False, True)],
                          ids=["native", "hf-fallback", "hf-fallback-static"])
 def test_update_model_wraps_base_in_peft(tiny_dir, tokenizer, adapter_dirs, native, static):

@@ -346,7 +346,7 @@ class NativeRunner:
     def _lin(x, spec, mask):
         w, b, lora = spec
         y = F.linear(x, w, b)
-        if lora is not None:  # the adapter's delta added in place by the second matmul (no copy of y)
+        if lora is not None and mask is not None:  # the delta added in place by the second matmul (no copy of y)
             y.addmm_(F.linear(x, lora[0]) * mask, lora[1].t())
         return y
 
@@ -489,18 +489,19 @@ class NativeRunner:
             self._graphs[key] = self._capture(lambda: self._prefill_packed_body(size))
         return self._graphs[key]
 
-    def _decode_body(self, B: int, Lb: int) -> None:
+    def _decode_body(self, B: int, Lb: int, lora: bool = True) -> None:
         """One decode step for rows [0, B): reads ids_buf/pos_buf/block_tables, writes the KV cache, logits_buf and
         next_buf. Side effects other than those outputs are idempotent, so warm-up runs before a capture are
         harmless. The Triton kernel reads each row's own length through its block table (Lb unused); the torch
-        path gathers the first Lb positions of every row's blocks and masks those past its length."""
+        path gathers the first Lb positions of every row's blocks and masks those past its length. lora=False: no
+        row has an adapter, so the adapters' matmuls are left out."""
         nat = self.nat
         hq, hkv, d, bs = nat.hq, nat.hkv, nat.head_dim, self.block_size
         G = hq // hkv
         pos = self.pos_buf[:B].clamp(max=self.max_seq_len - 1)
         tables = self.block_tables[:B]
         kv_index = tables.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
-        mask = self.lora_mask[:B] if nat.lora_rank else None
+        mask = self.lora_mask[:B] if nat.lora_rank and lora else None
         if self._tri is not None:
             lens = (pos + 1).to(torch.int32)
 
@@ -529,10 +530,10 @@ class NativeRunner:
             torch.addmm(nat.lm_bias, h, nat.lm_head.t(), out=out)
         torch.argmax(out, dim=-1, out=self.next_buf[:B])
 
-    def _graph(self, B: int, Lb: int):
-        key = (B, Lb)
+    def _graph(self, B: int, Lb: int, lora: bool = True):
+        key = (B, Lb, lora)
         if key not in self._graphs:
-            self._graphs[key] = self._capture(lambda: self._decode_body(B, Lb))
+            self._graphs[key] = self._capture(lambda: self._decode_body(B, Lb, lora))
         return self._graphs[key]
 
     def _capture(self, body: Callable[[], None]):
@@ -558,15 +559,16 @@ class NativeRunner:
         self.sync()
         return True
 
-    def _run_decode(self, B: int, Lb: int) -> None:
-        """One decode step (graph replay or eager). If the Triton kernels or graph capture fail on this machine
-        and were not asked for explicitly, fall back (torch ops, then eager) and keep serving."""
+    def _run_decode(self, B: int, Lb: int, lora: bool = True) -> None:
+        """One decode step (graph replay or eager); lora=False where no row has an adapter. If the Triton kernels
+        or graph capture fail on this machine and were not asked for explicitly, fall back (torch ops, then eager)
+        and keep serving."""
         while True:
             try:
                 if self.use_graphs:
-                    self._graph(B, Lb).replay()
+                    self._graph(B, Lb, lora).replay()
                 else:
-                    self._decode_body(B, Lb)
+                    self._decode_body(B, Lb, lora)
                 return
             except Exception as e:
                 if self._disable_triton(e):
