@@ -54,11 +54,10 @@ def admin_workers(api_url: str) -> list[dict]:
 
 def test_a_loaded_idle_model_is_reclaimable_in_the_registry(client_a, api_url, stack_dir):
     """The real stack: after a request loads a model and it goes idle, the worker that serves it publishes that
-    much more reclaimable memory: its weights and KV cache (on cpu, in the host's memory)."""
+    memory as reclaimable: its weights and KV cache (on cpu, in the host's memory)."""
     before = admin_workers(api_url)
     assert not any(m["model"] == "demo-strict" for w in before for m in w.get("models", [])), \
         "this test needs demo-strict unloaded: run it before tests that use it"
-    reclaimable_before = {w["node"]: w["reclaimable_memory"] for w in before}
 
     client_a.chat.completions.create(model="demo-strict", messages=[{"role": "user", "content": "Hi."}],
                                      max_tokens=2)
@@ -75,7 +74,9 @@ def test_a_loaded_idle_model_is_reclaimable_in_the_registry(client_a, api_url, s
     weights = model_bytes("demo-strict", Settings(models_root=stack_dir / "models", _env_file=None),
                           torch.float32 if TEST_BACKEND == "cpu" else torch.bfloat16)
     assert held >= weights + model["engine"]["kv_cache_bytes"] > weights
-    assert worker["reclaimable_memory"] == reclaimable_before[worker["node"]] + held
+    # what the worker publishes is what its idle models hold, this one's included (a delta against the reading
+    # before is racy: another model on the worker may go idle or change its engine in between)
+    assert worker["reclaimable_memory"] >= held
     assert worker["reclaimable_memory"] == sum(d["reclaimable_memory"] for d in worker["devices"])
     assert worker["reclaimable_memory"] == sum(sum(m["held_memory"].values()) for m in worker["models"]
                                                if m["running_requests"] == 0)
