@@ -92,4 +92,3 @@ async def open_connections_async(client: aioredis.Redis, n: int = WARM_CONNECTIO
     finally:
         for connection in opened:
             await pool.release(connection)
-

@@ -129,6 +129,25 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tenso
 
 
 @triton.jit
+def _head_norm_weight(W, c, HALF: tl.constexpr, HAS: tl.constexpr):
+    """A per-head norm's weight as its two halves (float32), or ones where the model has no such norm."""
+    if HAS:
+        w1 = tl.load(W + c).to(tl.float32)
+        w2 = tl.load(W + HALF + c).to(tl.float32)
+    else:
+        w1 = tl.full([1, HALF], 1.0, tl.float32)
+        w2 = w1
+    return w1, w2
+
+
+@triton.jit
+def _store_head(dst, c, HALF: tl.constexpr, a, b, mask):
+    """The heads' two halves a, b at dst (one head a row), where mask holds."""
+    tl.store(dst + c, a, mask=mask)
+    tl.store(dst + HALF + c, b, mask=mask)
+
+
+@triton.jit
 def _qkv_kernel(QKV, QW, KW, COS, SIN, POS, IDX, QO, KO, VO, KC, VC, s_t, s_c, s_qo, s_ko, s_kc, eps,
                 HQ: tl.constexpr, HKV: tl.constexpr, NHP: tl.constexpr, HALF: tl.constexpr, HAS_QN: tl.constexpr,
                 HAS_KN: tl.constexpr, WANT_KV: tl.constexpr):
@@ -150,18 +169,8 @@ def _qkv_kernel(QKV, QW, KW, COS, SIN, POS, IDX, QO, KO, VO, KC, VC, s_t, s_c, s
     f2 = x2.to(tl.float32)
     if HAS_QN or HAS_KN:
         r = tl.rsqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1))[:, None] / (2 * HALF) + eps)
-        if HAS_QN:
-            qw1 = tl.load(QW + c).to(tl.float32)
-            qw2 = tl.load(QW + HALF + c).to(tl.float32)
-        else:
-            qw1 = tl.full([1, HALF], 1.0, tl.float32)
-            qw2 = qw1
-        if HAS_KN:
-            kw1 = tl.load(KW + c).to(tl.float32)
-            kw2 = tl.load(KW + HALF + c).to(tl.float32)
-        else:
-            kw1 = tl.full([1, HALF], 1.0, tl.float32)
-            kw2 = kw1
+        qw1, qw2 = _head_norm_weight(QW, c, HALF, HAS_QN)
+        kw1, kw2 = _head_norm_weight(KW, c, HALF, HAS_KN)
         n1 = ((f1 * r).to(dt).to(tl.float32) * tl.where(is_q, qw1, kw1)).to(dt).to(tl.float32)
         n2 = ((f2 * r).to(dt).to(tl.float32) * tl.where(is_q, qw2, kw2)).to(dt).to(tl.float32)
         normed = (is_q & HAS_QN) | (is_k & HAS_KN)
@@ -175,24 +184,13 @@ def _qkv_kernel(QKV, QW, KW, COS, SIN, POS, IDX, QO, KO, VO, KC, VC, s_t, s_c, s
     # x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1)
     o1 = ((f1 * cos1).to(dt).to(tl.float32) + (-f2 * sin1).to(dt).to(tl.float32)).to(dt)
     o2 = ((f2 * cos2).to(dt).to(tl.float32) + (f1 * sin2).to(dt).to(tl.float32)).to(dt)
-    q_out = QO + t * s_qo + h * (2 * HALF)
-    tl.store(q_out + c, o1, mask=is_q)
-    tl.store(q_out + HALF + c, o2, mask=is_q)
+    _store_head(QO + t * s_qo + h * (2 * HALF), c, HALF, o1, o2, is_q)
     slot = tl.load(IDX + t).to(tl.int64)
-    k_dst = KC + slot * s_kc + (h - HQ) * (2 * HALF)
-    tl.store(k_dst + c, o1, mask=is_k)
-    tl.store(k_dst + HALF + c, o2, mask=is_k)
-    v_dst = VC + slot * s_kc + (h - HQ - HKV) * (2 * HALF)
-    tl.store(v_dst + c, x1, mask=is_v)
-    tl.store(v_dst + HALF + c, x2, mask=is_v)
+    _store_head(KC + slot * s_kc + (h - HQ) * (2 * HALF), c, HALF, o1, o2, is_k)
+    _store_head(VC + slot * s_kc + (h - HQ - HKV) * (2 * HALF), c, HALF, x1, x2, is_v)
     if WANT_KV:
-        k_out = KO + t * s_ko + (h - HQ) * (2 * HALF)
-        tl.store(k_out + c, o1, mask=is_k)
-        tl.store(k_out + HALF + c, o2, mask=is_k)
-        v_out = VO + t * s_ko + (h - HQ - HKV) * (2 * HALF)
-        tl.store(v_out + c, x1, mask=is_v)
-        tl.store(v_out + HALF + c, x2, mask=is_v)
-
+        _store_head(KO + t * s_ko + (h - HQ) * (2 * HALF), c, HALF, o1, o2, is_k)
+        _store_head(VO + t * s_ko + (h - HQ - HKV) * (2 * HALF), c, HALF, x1, x2, is_v)
 
 def qkv_rope_store(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, cos: torch.Tensor,
                    sin: torch.Tensor, pos: torch.Tensor, eps: float, kv_index: torch.Tensor, k_cache: torch.Tensor,
