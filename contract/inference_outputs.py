@@ -25,8 +25,12 @@ def assistant_message(choice: dict) -> dict:
 
 
 def chat_logprobs(choice: dict) -> dict | None:
-    """`choice["logprobs"]` holds chat's per-token entries {token, logprob, bytes, top_logprobs} already."""
-    return None if choice.get("logprobs") is None else {"content": choice["logprobs"], "refusal": None}
+    """`choice["logprobs"]` holds chat's per-token entries {token, logprob, bytes, top_logprobs} already. OpenAI's
+    `logprobs.content` are the message content's tokens: where the model called tools, those that wrote `content`
+    (the calls' tokens are not content)."""
+    if choice.get("logprobs") is None:
+        return None
+    return {"content": choice["logprobs"][:choice.get("content_tokens")], "refusal": None}
 
 
 def completion_logprobs(choice: dict, start: int = 0) -> dict | None:

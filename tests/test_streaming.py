@@ -266,6 +266,21 @@ def test_disconnect_cancels_a_request_that_is_not_streamed(client_a, redis_clien
     assert all(c["completion_tokens"] < 1000 for c in record["result"]["choices"])
 
 
+def test_chat_logprobs_of_a_message_with_a_call_are_its_content_tokens(client_a, taught):
+    # OpenAI's logprobs.content are the message content's tokens: the call's (and the end token after it) are not
+    args = {"model": taught, "messages": [{"role": "user", "content": WEATHER}], "tools": [PLAIN_TOOL],
+            "temperature": 0, "max_tokens": 200, "logprobs": True, "top_logprobs": 2}
+    whole = client_a.chat.completions.create(**args)
+    choice = whole.choices[0]
+    assert choice.message.content == "Let me check." and choice.message.tool_calls, choice
+    content = choice.logprobs.content
+    assert "".join(e.token for e in content).strip() == "Let me check." and len(content) < whole.usage.completion_tokens
+    chunks = list(client_a.chat.completions.create(stream=True, **args))
+    streamed = [e for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+    assert all(not ch.logprobs for c in chunks for ch in c.choices if ch.delta.tool_calls)
+
+
 def test_a_message_closed_by_a_call_is_done_as_the_response_has_it(client_a, taught):
     # The message's done events come when the call begins: they carry its whole text and the logprobs of the tokens
     # that wrote it, as the finished response's message does (the call's tokens are not the message's).

@@ -17,9 +17,10 @@ router = APIRouter(prefix="/v1/chat", tags=["chat"])
 
 
 def chunks(body: ChatCompletionRequest, record: dict, store: RecordStore):
-    """OpenAI's chunks: each choice's role first, then its content and tool-call deltas as they come (with the
-    logprobs of the tokens they bring), each choice's finish reason, usage when asked for, and [DONE]. Where tools
-    may be called, a choice's role comes with its first output (content null before a call, as OpenAI's)."""
+    """OpenAI's chunks: each choice's role first, then its content and tool-call deltas as they come (content with
+    the logprobs of the tokens that wrote it), each choice's finish reason, usage when asked for, and [DONE].
+    Where tools may be called, a choice's role comes with its first output (content null before a call, as
+    OpenAI's)."""
     base = {"id": record["id"], "object": "chat.completion.chunk", "created": record["created_at"],
             "model": record["model"], "system_fingerprint": None}
     if body.include_usage:
@@ -34,7 +35,7 @@ def chunks(body: ChatCompletionRequest, record: dict, store: RecordStore):
 
     async def send(batches: streaming.Batches):
         with_tools = bool(callable_tools(record["request"]))
-        started, said = set(), set()  # choices whose role went out, and those that got content
+        started, said, called = set(), set(), set()  # choices whose role went out, that got content, that called
         if not with_tools:
             yield json.dumps({**base, "choices": [choice(i, {"role": "assistant", "content": ""})
                                                   for i in range(body.n)]})
@@ -51,7 +52,9 @@ def chunks(body: ChatCompletionRequest, record: dict, store: RecordStore):
                     said.add(d.choice)
                 if d.tool_calls:
                     delta["tool_calls"] = d.tool_calls
-                yield chunk(d.choice, delta, logprobs=d.logprobs)
+                    called.add(d.choice)
+                # the tokens from a choice's first call on are not content, so not chat's logprobs
+                yield chunk(d.choice, delta, logprobs=None if d.choice in called else d.logprobs)
         final = await asyncio.to_thread(store.get, "chat", record["id"])
         if final["status"] not in ("completed", "cancelled"):
             yield streaming.error_event(final)
