@@ -218,14 +218,23 @@ def test_data_parallel_training_with_two_processes(stack_env, redis_client):
     assert os.environ.get("RANK") is None
 
 
-def test_sharded_training_with_two_processes_serves_its_adapter(stack_env, redis_client, client_a):
+@pytest.fixture(scope="module")
+def sharded_job(stack_env, redis_client) -> tuple[str, dict, list[dict]]:
+    _skip_without_two_devices()
+    return _two_process_job(stack_env, redis_client, "tenant-a", strategy="fsdp")
+
+
+def _step_losses(job_events: list[dict]) -> list[float]:
+    return [float(e["message"].rsplit("=", 1)[1]) for e in job_events if e["message"].startswith("Step ")]
+
+
+def test_sharded_training_with_two_processes_serves_its_adapter(stack_env, redis_client, client_a, sharded_job):
     """strategy fsdp: the base is sharded over the two processes (FSDP2), each holding about half of its
     parameters; the job checkpoints, and the adapter saved by the main process is a plain PEFT adapter that the
     service serves."""
     from contract.records import RecordStore
 
-    _skip_without_two_devices()
-    job_id, outcome, job_events = _two_process_job(stack_env, redis_client, "tenant-a", strategy="fsdp")
+    job_id, outcome, job_events = sharded_job
     [sharding] = [e["data"] for e in job_events if e["data"].get("strategy") == "fsdp"]
     whole, local = sharding["parameter_bytes"], sharding["local_parameter_bytes"]
     assert len(local) == 2 and all(whole * 0.4 < b < whole * 0.6 for b in local), sharding  # LoRA: replicated
@@ -287,3 +296,15 @@ def test_packed_examples_train_at_the_loss_of_the_padded_batch(tmp_path, attn_im
         check_packing_keeps_examples_apart(model, rows)
     model.config.use_cache = False
     check_packing_keeps_examples_apart(model, rows)
+
+
+def test_sharded_training_continues_an_ft_model_with_packed_examples(stack_env, redis_client, sharded_job):
+    """strategy fsdp with packing, fine-tuning the sharded job's ft: model: the adapter loaded on the sharded base
+    trains on (its first step's loss starts below the first job's) over packed batches."""
+    first_id, first, first_events = sharded_job
+    job_id, outcome, job_events = _two_process_job(
+        stack_env, redis_client, "tenant-a", strategy="fsdp", packing=True,
+        init_adapter={"model": first["fine_tuned_model"], "job_id": first_id, "step": None})
+    assert any(e["data"].get("strategy") == "fsdp" for e in job_events)
+    assert _step_losses(job_events)[0] < _step_losses(first_events)[0]
+    assert outcome["fine_tuned_model"] != first["fine_tuned_model"]
