@@ -23,6 +23,10 @@ that variant for that workload only):
   generate_batch-warm     the same again on its persistent manager (graphs already captured)
   engine-cold             worker.engine's Engine built as the worker builds it (shipped settings), first call
   engine                  the same engine again, warm
+  engine-stop             the same engine, every request with a stop string that no output writes (searched for
+                          at every token)
+  engine-stream           the same engine, every request streamed (the engine's deltas at its shipped interval,
+                          to a callback that drops them)
   engine-adapters         a fresh engine on the model wrapped with 4 random LoRA adapters (rank 16, every decoder
                           projection); the requests cycle through the 4 adapters and the base
   engine-live             the shipped engine runs the workload as batch requests (all submitted at once) while
@@ -308,17 +312,24 @@ def _engine(ctx) -> Engine:
     return ctx["engine"]
 
 
-def run_engine(ctx, cold: bool, eng: Engine | None = None, adapters: list[str | None] | None = None) -> dict:
+# A stop string no output of these random-weight models writes: each token is searched for it, nothing is cut.
+UNWRITTEN_STOP = "<never written>"
+
+
+def run_engine(ctx, cold: bool, eng: Engine | None = None, adapters: list[str | None] | None = None,
+               stop: bool = False, stream: bool = False) -> dict:
     prompts, new, dev = ctx["prompts"], ctx["new_tokens"], ctx["dev"]
     dev.sync()
     dev.reset_peak()
     eng = eng or _engine(ctx)
     before = dict(eng.stats)
-    reqs = [GenerationRequest(f"r{i}", p, SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True),
-                              adapter=adapters[i % len(adapters)] if adapters else None)
+    params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True,
+                            stop=[UNWRITTEN_STOP] if stop else None)
+    reqs = [GenerationRequest(f"r{i}", p, params, adapter=adapters[i % len(adapters)] if adapters else None,
+                              stream=stream)
             for i, p in enumerate(prompts)]
     t = time.perf_counter()
-    results = eng.generate(reqs)
+    results = [f.result() for f in [eng.submit(r, (lambda delta: None) if stream else None) for r in reqs]]
     dev.sync()
     secs = time.perf_counter() - t
     s = eng.stats
@@ -442,6 +453,10 @@ def run_variant(name: str, ctx) -> dict:
         return run_engine(ctx, cold=True)
     if name == "engine":
         return run_engine(ctx, cold=False)
+    if name == "engine-stop":
+        return run_engine(ctx, cold=False, stop=True)
+    if name == "engine-stream":
+        return run_engine(ctx, cold=False, stream=True)
     if name == "engine-adapters":
         return run_engine_adapters(ctx)
     if name == "engine-live":
@@ -561,8 +576,9 @@ def summarize(block: dict) -> None:
         block["best_plain_generate"] = {"variant": best, "tokens_per_s": plain[best]}
         for v in ok.values():
             v["vs_best_generate"] = v["tokens_per_s"] / plain[best]
-    if "engine" in ok and "service" in ok:
-        block["service_vs_engine"] = ok["service"]["tokens_per_s"] / ok["engine"]["tokens_per_s"]
+    for other in ("service", "engine-stop", "engine-stream"):
+        if "engine" in ok and other in ok:
+            block[f"{other.replace('-', '_')}_vs_engine"] = ok[other]["tokens_per_s"] / ok["engine"]["tokens_per_s"]
 
 
 def main(argv=None) -> int:

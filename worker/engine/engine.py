@@ -14,6 +14,7 @@ Parts (worker/engine/):
   sampling.py      logits -> tokens (greedy, temperature/top-p with seeded counter-based noise)
   logits.py        per-request logits processing: logit_bias, penalties, grammar masks, logprobs
   grammar.py       constrained decoding with xgrammar (JSON, JSON schema, forced tool calls)
+  detokenizer.py   a sequence's text as its tokens come, a few tokens decoded a time (stop strings, streams)
   fallback.py      any other causal LM through its own forward (a static batch replayed as device graphs where
                    the model allows, else merged dynamic batches)
   device.py        backend helpers
@@ -79,6 +80,7 @@ from typing import Any, Callable
 
 import torch
 
+from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.device import HostTokens, device_module, graphs_available, to_device
 from worker.engine.fallback import FallbackPath
 from worker.engine.graphs import batch_buckets, length_bucket
@@ -614,6 +616,8 @@ class Engine(NativeRunner):
             seq.logits = RequestLogits.of(req, self.vocab_size, self.device,
                                           self.grammars() if req.grammar is not None else None)
         seq.limit = min(p.max_new_tokens, self.max_seq_len - len(ids) + 1)
+        if (seq.stops or seq.on_delta is not None) and self.tokenizer is not None and seq.detok is None:
+            seq.detok = IncrementalDetokenizer(self.tokenizer)
         return None
 
     def _result(self, seq: Sequence, reason: str, error: str | None, text: str | None = None,
@@ -666,7 +670,10 @@ class Engine(NativeRunner):
         due = [seq for seq in self._streaming if seq.sent_tokens == 0 or now - seq.delta_at >= self.stream_interval]
         for seq in due:
             self._streaming.discard(seq)
-            text = self._decode(seq.out).rstrip("\ufffd")
+            text = ""  # (no tokenizer: tokens only)
+            if seq.detok is not None:
+                seq.detok.update(seq.out)
+                text = seq.detok.text
             if seq.stops:
                 text = text[:len(text) - max(len(s) for s in seq.stops) + 1]
             self._delta(seq, list(seq.out[seq.sent_tokens:]), text[seq.sent_text:])
@@ -699,11 +706,13 @@ class Engine(NativeRunner):
             self.finish(seq, "stop")
             return
         if seq.stops:
-            text = self._decode(seq.out)
-            hits = [i for i in (text.find(s) for s in seq.stops) if i >= 0]
-            if hits:
-                self.finish(seq, "stop", text=text[:min(hits)])
-                return
+            searched = len(seq.detok.text)  # held no stop string: one can only end in what this token wrote
+            if seq.detok.update(seq.out):
+                text = seq.detok.text
+                hits = [i for i in (text.find(s, max(0, searched - len(s) + 1)) for s in seq.stops) if i >= 0]
+                if hits:
+                    self.finish(seq, "stop", text=text[:min(hits)])
+                    return
         if len(seq.out) >= seq.limit:
             self.finish(seq, "length")
 

@@ -29,6 +29,7 @@ from worker.engine.kv_cache import BlockManager
 from worker.engine.requests import GenerationDelta, GenerationRequest, Priority
 
 if TYPE_CHECKING:
+    from worker.engine.detokenizer import IncrementalDetokenizer
     from worker.engine.logits import RequestLogits
 
 
@@ -37,7 +38,7 @@ class Sequence:
 
     __slots__ = ("req", "fut", "prompt_len", "limit", "out", "n_launched", "cache_len", "target", "slot",
                  "order", "finished", "temperature", "top_p", "seed", "stops", "ignore_eos", "t_submit",
-                 "on_delta", "sent_tokens", "sent_text", "delta_at", "preemptions", "logits")
+                 "on_delta", "sent_tokens", "sent_text", "delta_at", "preemptions", "logits", "detok")
 
     def __init__(self, req: GenerationRequest, fut: concurrent.futures.Future,
                  on_delta: Callable[[GenerationDelta], None] | None = None):
@@ -65,6 +66,7 @@ class Sequence:
         self.delta_at = 0.0  # when its last delta was sent (perf_counter)
         self.preemptions = 0
         self.logits: RequestLogits | None = None  # logits processing it asks for (set when first admitted)
+        self.detok: IncrementalDetokenizer | None = None  # its text as it is written, for stop strings and streams
 
     def ids(self) -> list[int]:
         """The tokens known so far: the prompt, then the output."""

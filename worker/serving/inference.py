@@ -23,7 +23,7 @@ from worker.engine.requests import GenerationDelta, GenerationResult, Priority, 
 from worker.models import ModelLoadError, load_tokenizer
 from worker.node import metrics
 from worker.node.node import Node
-from worker.serving.output_stream import OutputStreams, RequestOutput, logprob_entries, tokens_writing
+from worker.serving.output_stream import OutputStreams, RequestOutput, TextByToken, logprob_entries
 
 CANCEL_POLL_SECONDS = 0.1
 
@@ -182,7 +182,7 @@ def outcome(result: GenerationResult, request: dict, tokenizer) -> dict:
     if result.logprobs is not None:
         out["logprobs"] = logprob_entries(tokenizer, result.logprobs)
         if out.get("tool_calls"):  # the Responses message before the calls has the logprobs of its own tokens
-            out["content_tokens"] = tokens_writing(tokenizer, result.output_ids, out["content"] or "")
+            out["content_tokens"] = TextByToken(tokenizer, result.output_ids).tokens_writing(out["content"] or "")
     return out
 
 

@@ -3,6 +3,7 @@ request's Redis stream (contract.live). One thread per node shapes them (tool ca
 logprobs in chat's shape) and writes them, as many per round trip as are waiting, so the engine host's reader
 thread (which calls on_delta for every request) never waits on Redis or the tokenizer."""
 
+import bisect
 import json
 import queue
 import threading
@@ -13,6 +14,7 @@ import redis
 
 from contract import tool_calls
 from contract.live import OUTPUT_TTL_SECONDS, output_key
+from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.requests import GenerationDelta
 
 
@@ -26,21 +28,33 @@ def logprob_entries(tokenizer, logprobs: list) -> list[dict]:
     return [dict(token(t, lp), top_logprobs=[token(i, v) for i, v in top]) for t, lp, top in logprobs]
 
 
-def tokens_writing(tokenizer, token_ids: list[int], text: str, start: int = 0) -> int:
-    """How many of the output's first tokens it takes to write `text`, a prefix of the output's text (the content
-    before a call, whose message has those tokens' logprobs): at least `start`, a count known to fall short."""
-    n = start
-    while n < len(token_ids) and len(tokenizer.decode(token_ids[:n], skip_special_tokens=True).rstrip("\ufffd")) \
-            < len(text):
-        n += 1
-    return n
+class TextByToken:
+    """How much of an output's text its first tokens wrote, kept as the tokens come: the tokens that wrote the
+    content before a call (whose message has their logprobs) are found without decoding the output again for
+    each delta (that was quadratic in the output's length)."""
+
+    def __init__(self, tokenizer, token_ids: list[int] = ()):
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self.ids: list[int] = []
+        self._ends: list[int] = []  # the text's length once each token is in
+        self.extend(token_ids)
+
+    def extend(self, token_ids: list[int]) -> None:
+        for token in token_ids:
+            self.ids.append(token)
+            self._detok.update(self.ids)
+            self._ends.append(len(self._detok.text))
+
+    def tokens_writing(self, text: str) -> int:
+        """How many of the first tokens it takes to write `text`, a prefix of the output's text."""
+        return min(len(self.ids), bisect.bisect_left(self._ends, len(text)) + 1) if text else 0
 
 
 class _Choice:
     """A choice's output where tools may be called: its parser, its tokens, and the logprobs not yet sent."""
 
-    def __init__(self, parser: tool_calls.ToolCallStream):
-        self.parser, self.ids, self.held = parser, [], []
+    def __init__(self, parser: tool_calls.ToolCallStream, tokenizer):
+        self.parser, self.tokens, self.held = parser, TextByToken(tokenizer), []
         self.wrote = 0  # how many tokens wrote the content released so far
 
 
@@ -64,18 +78,19 @@ class RequestOutput:
         state = self._choices.get(choice)
         if state is None:
             fmt = tool_calls.tool_call_format(self._tokenizer_of().chat_template)
-            state = self._choices[choice] = _Choice(tool_calls.ToolCallStream(fmt, self._names, delta.request_id))
+            state = self._choices[choice] = _Choice(tool_calls.ToolCallStream(fmt, self._names, delta.request_id),
+                                                    self._tokenizer_of())
         called_before = bool(state.parser.calls)
         text, fragments = state.parser.feed(delta.text)
         if delta.logprobs is None:  # not asked for
             return [self._entry(choice, state, text, fragments, 0)]
-        state.ids += delta.token_ids
+        state.tokens.extend(delta.token_ids)
         state.held += logprobs
         if called_before:  # the calls' tokens
             return [self._entry(choice, state, text, fragments, len(state.held))]
-        sent = len(state.ids) - len(state.held)
+        sent = len(state.tokens.ids) - len(state.held)
         if text:
-            state.wrote = tokens_writing(self._tokenizer_of(), state.ids, state.parser.content, state.wrote)
+            state.wrote = state.tokens.tokens_writing(state.parser.content)
         entries = [self._entry(choice, state, text, [], state.wrote - sent)]
         if fragments:  # the first call began: the tokens after the content are its
             entries.append(self._entry(choice, state, "", fragments, len(state.held)))
