@@ -545,6 +545,24 @@ def gpu_check(device: str) -> dict:
         out["triton_kernel_bf16_max_rel_err"] = err
     except Exception as e:
         out["triton_kernel_error"] = f"{type(e).__name__}: {e}"
+    try:  # the fused sampling kernel draws what the torch ops draw, and its time against theirs
+        from worker.engine import sampling
+        from worker.engine.triton_kernels import gumbel_argmax
+
+        logits = torch.randn(256, 151936, device=device) * 4
+        temps = torch.rand(256, device=device) + 0.5
+        keys = torch.randint(0, 2 ** 32, (256,), device=device, dtype=torch.int64)
+        out["sampling_kernel_matches_torch"] = int((gumbel_argmax(logits, temps, keys)
+                                                    == sampling.gumbel_argmax(logits, temps, keys)).sum())
+        for name, draw in (("triton", gumbel_argmax), ("torch", sampling.gumbel_argmax)):
+            torch.accelerator.synchronize()
+            t = time.perf_counter()
+            for _ in range(10):
+                draw(logits, temps, keys)
+            torch.accelerator.synchronize()
+            out[f"sampling_{name}_ms_256_rows"] = (time.perf_counter() - t) / 10 * 1e3
+    except Exception as e:
+        out["sampling_kernel_error"] = f"{type(e).__name__}: {e}"
     return out
 
 

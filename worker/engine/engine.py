@@ -10,8 +10,9 @@ Parts (worker/engine/):
   kv_cache.py      the paged KV cache's block manager
   model_runner.py  the native decoder (Llama-style models) and its prefill/decode forwards
   graphs.py        device-graph capture of the decode step and of packed prefill
-  triton_kernels.py  decode attention and fused elementwise kernels for cuda/xpu
-  sampling.py      logits -> tokens (greedy, temperature/top-p with seeded counter-based noise)
+  triton_kernels.py  decode attention, fused elementwise kernels and the sampling draw for cuda/xpu
+  sampling.py      logits -> tokens (greedy, temperature/top-p with seeded counter-based noise; on cuda/xpu
+                   the sampled rows in one fused kernel)
   logits.py        per-request logits processing: logit_bias, penalties, grammar masks, logprobs
   grammar.py       constrained decoding with xgrammar (JSON, JSON schema, forced tool calls)
   detokenizer.py   a sequence's text as its tokens come, a few tokens decoded a time (stop strings, streams)
@@ -102,7 +103,7 @@ from worker.engine.requests import (
     GenerationResult,
     Priority,
 )
-from worker.engine.sampling import SAMPLE_CHUNK, pick
+from worker.engine.sampling import SAMPLE_CHUNK, gumbel_argmax, pick
 from worker.engine.scheduler import PrefillPlan, Scheduler, Sequence, WaitingQueue
 
 log = logging.getLogger(__name__)
@@ -250,6 +251,7 @@ class Engine(NativeRunner):
         self.path = path
         self.stats["path"] = path
         self.stats["fallback_reason"] = reason
+        self._choose_sampler()
 
         if path == "native":
             self.nat = NativeModel(model, self.device)
@@ -268,6 +270,19 @@ class Engine(NativeRunner):
                 self.fallback.model_changed()
             else:
                 self.fallback = FallbackPath(self)
+
+    def _choose_sampler(self) -> None:
+        """Sampled rows are drawn by one fused Triton kernel on cuda/xpu (unless kernels='torch'), by torch ops
+        on cpu or without triton (the same draw: sampling.gumbel_argmax)."""
+        self.draw = gumbel_argmax
+        if self.backend != "cpu" and self._want_attention in ("auto", "triton"):
+            try:
+                from worker.engine import triton_kernels as engine_triton
+
+                self.draw = engine_triton.gumbel_argmax
+            except Exception as e:  # no triton
+                log.info("engine: sampling with torch ops (%s: %s)", type(e).__name__, e)
+        self.stats["sampler"] = "torch" if self.draw is gumbel_argmax else "triton"
 
     def _choose_attention(self) -> None:
         """kernels='triton' (the default on cuda/xpu when triton imports): decode attention that reads each row's
@@ -893,7 +908,7 @@ class Engine(NativeRunner):
         rows = [(s.slot, s) for s in run]  # before the drain: a request it finishes gives its row back
         if any(s.logits is not None and s.logits.constrained for s in run):
             self._drain()  # a grammar's next mask needs the tokens of the step before
-        toks = pick(self.logits_buf[:B], self.next_buf[:B], rows, [s.n_launched for s in run])
+        toks = pick(self.logits_buf[:B], self.next_buf[:B], rows, [s.n_launched for s in run], self.draw)
         self.ids_buf[:B].copy_(toks)
         self.pos_buf[:B] += 1
         for s in run:
@@ -1025,7 +1040,7 @@ class Engine(NativeRunner):
         position and their block table go into the decode buffers."""
         dev = self.device
         rows = list(enumerate(seqs))
-        toks = pick(logits, None, rows, [len(s.out) for s in seqs])
+        toks = pick(logits, None, rows, [len(s.out) for s in seqs], self.draw)
         slots = to_device([s.slot for s in seqs], torch.int64, dev)
         self.ids_buf.index_copy_(0, slots, toks)
         self.pos_buf.index_copy_(0, slots, to_device([s.target for s in seqs], torch.int64, dev))

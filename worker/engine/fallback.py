@@ -620,7 +620,7 @@ class FallbackPath:
         if old is not None and any(s.logits is not None and s.logits.constrained for _, s in rows):
             self._accept(old)
             old = None
-        toks = pick(st.logits[:R], None, rows, [s.n_launched for _, s in rows])
+        toks = pick(st.logits[:R], None, rows, [s.n_launched for _, s in rows], self.engine.draw)
         st.ids[:R].copy_(toks)
         st.pos[:R].add_(1).clamp_(max=st.cap - 1)  # a garbage row's column stays inside the buffers
         for _, s in rows:
@@ -791,7 +791,7 @@ class FallbackPath:
         kw = {"adapter_names": adapters} if adapters is not None else {}
         logits = self._forward(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, **kw)
         rows = list(enumerate(chunk))
-        toks = pick(logits, None, rows, [0] * n)
+        toks = pick(logits, None, rows, [0] * n, self.engine.draw)
         batch = _Batch(list(chunk), cache, mask, pos[:, -1], toks, adapters)
         batch.pending = HostTokens(toks, rows, eng.backend)
         for seq in chunk:
@@ -824,7 +824,7 @@ class FallbackPath:
             self._accept(old)
             old = None
         # finished rows' tokens are never read: they take the argmax, unprocessed
-        b.next = pick(logits, None, rows, [s.n_launched for _, s in rows])
+        b.next = pick(logits, None, rows, [s.n_launched for _, s in rows], self.engine.draw)
         for _, s in rows:
             s.n_launched += 1
         b.pending = HostTokens(b.next, rows, eng.backend)

@@ -7,10 +7,14 @@ processing (penalties, grammars, logprobs) belongs there, on the rows of the req
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from worker.engine import logits as logits_processing
 from worker.engine.device import to_device
+
+log = logging.getLogger(__name__)
 
 SAMPLE_CHUNK = 16  # rows sampled at once: bounds the [rows, vocab] temporaries of top-p and the noise
 _M32 = 0xFFFFFFFF
@@ -44,35 +48,75 @@ def _row_key(seed: int, step: int) -> int:
     return _mix32_py((seed & _M32) ^ _mix32_py(((seed >> 32) & _M32) ^ _mix32_py(step ^ 0x9E3779B9)))
 
 
-def sample_tokens(logits: torch.Tensor, temperature: list[float], top_p: list[float], seeds: list[int],
-                  steps: list[int]) -> torch.Tensor:
-    """One token per row of float32 `logits` [R, V]: softmax(logits / T), top-p filtered, drawn with the
-    exponential race argmax(p / E), E = -log(u) and u a hash of (seed, step, vocabulary index)."""
+def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """One token per row of float32 `logits` [R, V] drawn from softmax(logits / T): argmax(logits / T + g), g the
+    Gumbel noise -log(-log u) with u a hash of (the row's key, vocabulary index) (the Gumbel-max trick: no softmax
+    needed). triton_kernels.gumbel_argmax is the same draw fused into one kernel."""
+    out = []
+    vocab = torch.arange(logits.shape[-1], device=logits.device, dtype=torch.int64)
+    for i in range(0, logits.shape[0], SAMPLE_CHUNK):
+        sl = slice(i, i + SAMPLE_CHUNK)
+        h = _mix32(keys[sl, None] ^ vocab[None, :])
+        u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+        out.append(torch.argmax(logits[sl] / temperature[sl, None] - torch.log(-torch.log(u)), dim=-1))
+    return torch.cat(out)
+
+
+def _nucleus(logits: torch.Tensor, temperature: torch.Tensor, top_p: list[float], keys: torch.Tensor) -> torch.Tensor:
+    """The draw for rows with top_p < 1: softmax(logits / T), the least likely tokens beyond top_p of the mass
+    cut, then the exponential race argmax(p / E), E = -log(u) (the same draw as gumbel_argmax's on what is left)."""
     out = []
     dev = logits.device
     vocab = torch.arange(logits.shape[-1], device=dev, dtype=torch.int64)
     for i in range(0, logits.shape[0], SAMPLE_CHUNK):
         sl = slice(i, i + SAMPLE_CHUNK)
-        t = to_device(temperature[sl], torch.float32, dev)[:, None]
-        probs = torch.softmax(logits[sl].float() / t, dim=-1)
-        tp = top_p[sl]
-        if any(p < 1.0 for p in tp):
-            sp, idx = probs.sort(dim=-1, descending=True)
-            before = sp.cumsum(dim=-1) - sp  # mass of the more likely tokens
-            cut = before >= to_device(tp, torch.float32, dev)[:, None]
-            probs = torch.zeros_like(probs).scatter_(-1, idx, sp.masked_fill(cut, 0.0))
-        keys = to_device([_row_key(s, k) for s, k in zip(seeds[sl], steps[sl], strict=True)], torch.int64, dev)
-        h = _mix32(keys[:, None] ^ vocab[None, :])
+        probs = torch.softmax(logits[sl] / temperature[sl, None], dim=-1)
+        sp, idx = probs.sort(dim=-1, descending=True)
+        before = sp.cumsum(dim=-1) - sp  # mass of the more likely tokens
+        cut = before >= to_device(top_p[sl], torch.float32, dev)[:, None]
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sp.masked_fill(cut, 0.0))
+        h = _mix32(keys[sl, None] ^ vocab[None, :])
         u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
         out.append(torch.argmax(probs / (-torch.log(u)), dim=-1))
     return torch.cat(out)
 
 
-def pick(logits: torch.Tensor, greedy: torch.Tensor | None, rows: list, steps: list[int]) -> torch.Tensor:
+_broken_draws: set = set()  # device draws that raised (a Triton build that fails here): torch ops from then on
+
+
+def sample_tokens(logits: torch.Tensor, temperature: list[float], top_p: list[float], seeds: list[int],
+                  steps: list[int], draw=gumbel_argmax) -> torch.Tensor:
+    """One token per row of float32 `logits` [R, V], drawn from softmax(logits / T) (top-p filtered where top_p <
+    1) with noise hashed from (seed, step, vocabulary index). `draw` samples the rows without top-p
+    (gumbel_argmax, or the engine's fused kernel for its device)."""
+    dev = logits.device
+    keys = to_device([_row_key(s, k) for s, k in zip(seeds, steps, strict=True)], torch.int64, dev)
+    temps = to_device(temperature, torch.float32, dev)
+    nucleus = [i for i, p in enumerate(top_p) if p < 1.0]
+    if len(nucleus) == len(top_p):
+        return _nucleus(logits, temps, top_p, keys)
+    if draw is not gumbel_argmax and draw not in _broken_draws:
+        try:
+            toks = draw(logits, temps, keys)
+        except Exception as e:
+            _broken_draws.add(draw)
+            log.warning("sampling: the fused kernel failed (%s: %s); torch ops from now on", type(e).__name__, e)
+            toks = gumbel_argmax(logits, temps, keys)
+    else:
+        toks = gumbel_argmax(logits, temps, keys)
+    if nucleus:
+        index = to_device(nucleus, torch.int64, dev)
+        toks.index_copy_(0, index, _nucleus(logits.index_select(0, index), temps.index_select(0, index),
+                                            [top_p[i] for i in nucleus], keys.index_select(0, index)))
+    return toks
+
+
+def pick(logits: torch.Tensor, greedy: torch.Tensor | None, rows: list, steps: list[int],
+         draw=gumbel_argmax) -> torch.Tensor:
     """Tokens for the rows of `logits` ([N, V]). `rows` pairs a row index with its sequence (which has
-    temperature, top_p and seed); `steps` gives each one's output index. Rows with temperature > 0 are sampled,
-    the others take `greedy` (argmax of logits when None). Rows whose requests ask for logits processing get it
-    first (worker/engine/logits.py, which also keeps their logprobs)."""
+    temperature, top_p and seed); `steps` gives each one's output index. Rows with temperature > 0 are sampled
+    (by `draw`, see sample_tokens), the others take `greedy` (argmax of logits when None). Rows whose requests ask
+    for logits processing get it first (worker/engine/logits.py, which also keeps their logprobs)."""
     if all(s.temperature == 0 and s.logits is None for _, s in rows):  # the common case, in one pass over the rows
         return torch.argmax(logits, dim=-1) if greedy is None else greedy
     greedy = logits_processing.process(logits, rows, greedy)
@@ -81,7 +125,8 @@ def pick(logits: torch.Tensor, greedy: torch.Tensor | None, rows: list, steps: l
     if samp:
         index = to_device([i for i, _, _ in samp], torch.int64, logits.device)
         drawn = sample_tokens(logits.index_select(0, index).float(), [s.temperature for _, s, _ in samp],
-                              [s.top_p for _, s, _ in samp], [s.seed for _, s, _ in samp], [k for _, _, k in samp])
+                              [s.top_p for _, s, _ in samp], [s.seed for _, s, _ in samp], [k for _, _, k in samp],
+                              draw)
         toks = toks.clone() if greedy is None else toks
         toks.index_copy_(0, index, drawn)
     logits_processing.record(logits, toks, rows)

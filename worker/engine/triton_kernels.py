@@ -238,5 +238,46 @@ def silu_mul_rows(gu: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# Sampling (sampling.py's Gumbel-max draw, fused): each program scores one block of one row's vocabulary,
+# logits / T - log(-log u) with u hashed from (row key, token id) as sampling.py hashes it, and keeps its best; the
+# torch ops it replaces pass over [rows, vocab] some 25 times (the int64 hash above all).
+SAMPLE_BLOCK = 4096
+
+
+@triton.jit
+def _mix32(x):  # sampling._mix32: x in [0, 2**32) as int64; products wrap mod 2**64, their low 32 bits are exact
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _gumbel_kernel(L, s_l, T, K, S, I, n, BLOCK: tl.constexpr):
+    row, blk = tl.program_id(0), tl.program_id(1)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    logit = tl.load(L + row * s_l + offs, mask=m, other=float("-inf")).to(tl.float32)
+    h = _mix32(tl.load(K + row) ^ offs.to(tl.int64))
+    u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    score = tl.where(m, logit / tl.load(T + row) - tl.log(-tl.log(u)), float("-inf"))
+    best = tl.argmax(score, 0)
+    tl.store(S + row * tl.num_programs(1) + blk, tl.max(score, 0))
+    tl.store(I + row * tl.num_programs(1) + blk, blk * BLOCK + best)
+
+
+def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """sampling.gumbel_argmax on the device: logits [R, V] float32, temperature [R] float32, keys [R] int64."""
+    R, V = logits.shape
+    assert logits.stride(-1) == 1
+    blocks = triton.cdiv(V, SAMPLE_BLOCK)
+    scores = torch.empty(R, blocks, dtype=torch.float32, device=logits.device)
+    index = torch.empty(R, blocks, dtype=torch.int64, device=logits.device)
+    _gumbel_kernel[(R, blocks)](logits, logits.stride(0), temperature, keys, scores, index, V, BLOCK=SAMPLE_BLOCK,
+                                num_warps=8)
+    return index.gather(1, scores.argmax(1, keepdim=True))[:, 0]
+
+
 def fused_supported(head_dim: int, hidden_act: str) -> bool:
     return head_dim >= 4 and (head_dim // 2) & (head_dim // 2 - 1) == 0 and hidden_act in ("silu", "swish")
