@@ -51,3 +51,44 @@ def test_a_busy_model_is_not_evicted_until_idle(root):
         assert cache.release_idle() == ["demo-b"] and cache.report() == []  # before a fine-tune
     finally:
         cache.close()
+
+
+def test_an_adapter_request_whose_engine_was_evicted_meanwhile_runs_on_the_reloaded_one(root, tmp_path,
+                                                                                        monkeypatch):
+    """An eviction between the model's lookup and the request counting as running (another load making room):
+    the request goes to the reloaded engine with its adapter attached there too, and gets the adapter's tokens."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from worker.engine.messages import AdapterRef
+
+    torch.manual_seed(3)
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(root / "demo-a"),
+                          LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    with torch.no_grad():  # deltas large enough to change greedy tokens
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.mul_(3.0)
+    peft.save_pretrained(tmp_path / "alpha")
+    cache = ModelCache(Settings(models_root=root, base_models=["demo-a"], _env_file=None), "cpu")
+    started, evicted = cache.started, []
+
+    def evicted_first(loaded):
+        if not evicted:
+            evicted.append(cache._evict_idle())
+        started(loaded)
+
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    try:
+        monkeypatch.setattr(cache, "started", evicted_first)
+        alpha = AdapterRef("alpha", tmp_path / "alpha")
+        _, future = submit(cache, Submission("a", ModelKey("demo-a"), alpha, [5, 6, 7], params))
+        result = future.result(timeout=60)
+        assert evicted == [ModelKey("demo-a")] and result.error is None, result.error
+        assert cache.get(ModelKey("demo-a")).adapters == {"alpha"}
+        _, again = submit(cache, Submission("b", ModelKey("demo-a"), alpha, [5, 6, 7], params))
+        _, base = submit(cache, Submission("c", ModelKey("demo-a"), None, [5, 6, 7], params))
+        assert again.result(timeout=60).output_ids == result.output_ids != base.result(timeout=60).output_ids
+    finally:
+        cache.close()

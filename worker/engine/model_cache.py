@@ -271,39 +271,41 @@ def _free_memory(backend: str) -> None:
 def submit(cache: ModelCache, submission: Submission,
            on_delta: Callable[[GenerationDelta], None] | None = None) -> tuple[Engine, Future]:
     """Load base and adapter as needed, and give the request to the base's engine."""
-    loaded = cache.get(submission.model)
-    if submission.adapter:
-        cache.attach_adapter(loaded, submission.adapter)
     ids, params = submission.prompt_ids, submission.params
-    if loaded.max_positions and len(ids) + params.max_new_tokens > loaded.max_positions:
-        raise RequestFailed("context_length_exceeded",
-                            f"The prompt ({len(ids)} tokens) plus max tokens ({params.max_new_tokens}) exceeds the "
-                            f"model's context of {loaded.max_positions}.")
-    if len(ids) >= loaded.engine.max_seq_len:  # the engine would refuse it too, but as an error of its own
-        raise RequestFailed("invalid_prompt", f"The prompt ({len(ids)} tokens) must be shorter than the "
-                                              f"{loaded.engine.max_seq_len} tokens this worker holds per request.")
     request = GenerationRequest(submission.request_id, ids, params,
                                 submission.adapter.name if submission.adapter else None, stream=submission.stream,
                                 priority=submission.priority)
-    def hand_over(engine: Engine) -> Future:
+
+    def hand_over(loaded: LoadedModel) -> Future:
+        if submission.adapter:
+            cache.attach_adapter(loaded, submission.adapter)
+        if loaded.max_positions and len(ids) + params.max_new_tokens > loaded.max_positions:
+            raise RequestFailed("context_length_exceeded",
+                                f"The prompt ({len(ids)} tokens) plus max tokens ({params.max_new_tokens}) exceeds "
+                                f"the model's context of {loaded.max_positions}.")
+        if len(ids) >= loaded.engine.max_seq_len:  # the engine would refuse it too, but as an error of its own
+            raise RequestFailed("invalid_prompt", f"The prompt ({len(ids)} tokens) must be shorter than the "
+                                                  f"{loaded.engine.max_seq_len} tokens this worker holds per request.")
         if params.grammar is not None:  # compiled here, on the request's thread, never on the engine's
             from worker.engine.grammar import GrammarError
 
             try:
-                request.grammar = engine.grammars().compile(params.grammar)
+                request.grammar = loaded.engine.grammars().compile(params.grammar)
             except GrammarError as exc:
                 raise RequestFailed("invalid_value", str(exc), exc.param) from None
-        return engine.submit(request, on_delta)
+        return loaded.engine.submit(request, on_delta)
 
+    # Counted as running before its adapter is attached, so no eviction closes the engine meanwhile.
+    loaded = cache.get(submission.model)
     cache.started(loaded)
     try:
         try:
-            future = hand_over(loaded.engine)
-        except EngineClosed:  # evicted while idle, between the lookup and now: load it again
+            future = hand_over(loaded)
+        except EngineClosed:  # evicted between the lookup and started(): loaded again, the adapter with it
             cache.finished(loaded)
             loaded = cache.get(submission.model)
             cache.started(loaded)
-            future = hand_over(loaded.engine)
+            future = hand_over(loaded)
     except BaseException:
         cache.finished(loaded)
         raise
