@@ -27,6 +27,8 @@ that variant for that workload only):
                           at every token)
   engine-stream           the same engine, every request streamed (the engine's deltas at its shipped interval,
                           to a callback that drops them)
+  engine-sample           the same engine, every request sampled at temperature 1.0 (what a request that leaves
+                          temperature out gets; seeded)
   engine-adapters         a fresh engine on the model wrapped with 4 random LoRA adapters (rank 16, every decoder
                           projection); the requests cycle through the 4 adapters and the base
   engine-live             the shipped engine runs the workload as batch requests (all submitted at once) while
@@ -317,16 +319,15 @@ UNWRITTEN_STOP = "<never written>"
 
 
 def run_engine(ctx, cold: bool, eng: Engine | None = None, adapters: list[str | None] | None = None,
-               stop: bool = False, stream: bool = False) -> dict:
+               stop: bool = False, stream: bool = False, temperature: float = 0.0) -> dict:
     prompts, new, dev = ctx["prompts"], ctx["new_tokens"], ctx["dev"]
     dev.sync()
     dev.reset_peak()
     eng = eng or _engine(ctx)
     before = dict(eng.stats)
-    params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True,
-                            stop=[UNWRITTEN_STOP] if stop else None)
-    reqs = [GenerationRequest(f"r{i}", p, params, adapter=adapters[i % len(adapters)] if adapters else None,
-                              stream=stream)
+    reqs = [GenerationRequest(f"r{i}", p, SamplingParams(max_new_tokens=new, temperature=temperature, seed=i,
+                                                         ignore_eos=True, stop=[UNWRITTEN_STOP] if stop else None),
+                              adapter=adapters[i % len(adapters)] if adapters else None, stream=stream)
             for i, p in enumerate(prompts)]
     t = time.perf_counter()
     results = [f.result() for f in [eng.submit(r, (lambda delta: None) if stream else None) for r in reqs]]
@@ -457,6 +458,8 @@ def run_variant(name: str, ctx) -> dict:
         return run_engine(ctx, cold=False, stop=True)
     if name == "engine-stream":
         return run_engine(ctx, cold=False, stream=True)
+    if name == "engine-sample":
+        return run_engine(ctx, cold=False, temperature=1.0)
     if name == "engine-adapters":
         return run_engine_adapters(ctx)
     if name == "engine-live":
@@ -594,7 +597,7 @@ def summarize(block: dict) -> None:
         block["best_plain_generate"] = {"variant": best, "tokens_per_s": plain[best]}
         for v in ok.values():
             v["vs_best_generate"] = v["tokens_per_s"] / plain[best]
-    for other in ("service", "engine-stop", "engine-stream"):
+    for other in ("service", "engine-stop", "engine-stream", "engine-sample"):
         if "engine" in ok and other in ok:
             block[f"{other.replace('-', '_')}_vs_engine"] = ok[other]["tokens_per_s"] / ok["engine"]["tokens_per_s"]
 

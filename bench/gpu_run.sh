@@ -3,7 +3,8 @@
 # carried in .whl-svc/ (docs/benchmarks.md says how they are fetched), then run the stages named as arguments, each
 # under its own time limit, writing reports and logs under $OUT. Stages:
 #   service   Qwen3-0.6B shape: the service at its shipped settings (current and long workloads, 64 chats), the
-#             engine called directly and plain generate's best configurations, in one process
+#             engine called directly (also with stop strings, streamed, and sampled at temperature 1.0) and plain
+#             generate's best configurations, in one process
 #   fallback  a Phi-2-shaped model (outside the native list): the engine's fallback path against plain generate
 #   fallback-profile  the same model's fallback step timed part by part on the host (docs/results/cpu-fallback-profile.py),
 #             at the shipped prefill pieces and at 4x larger ones
@@ -56,7 +57,7 @@ for s in "$@"; do
     service)
       stage service 420 python3 -m bench.generation --model qwen3-0.6b --device cuda --workloads current,long \
         --generate-prompts 256 --service-first --chats 64 \
-        --variants service,current:engine-cold,current:engine,current:engine-adapters,current:generate-bs256,current:generate-static-bs256,long:engine,long:generate-bs256 \
+        --variants service,current:engine-cold,current:engine,current:engine-stop,current:engine-stream,current:engine-sample,current:engine-adapters,current:generate-bs256,current:generate-static-bs256,long:engine,long:generate-bs256 \
         --out "$OUT/h200-service.json" ;;
     fallback)
       stage fallback 150 python3 -m bench.generation --model phi2-0.6b --device cuda \

@@ -10,15 +10,15 @@ def test_generation_benchmark_runs_every_kind_of_variant(tmp_path):
     result = subprocess.run([sys.executable, "-m", "bench.generation", "--model", "tiny", "--device", "cpu",
                              "--prompts", "8", "--min-prompt", "4", "--max-prompt", "16", "--new-tokens", "4",
                              "--variants",
-                             "generate-bs4,generate-static-bs8,engine,engine-stop,engine-stream,engine-adapters,"
-                             "engine-live,service",
+                             "generate-bs4,generate-static-bs8,engine,engine-stop,engine-stream,engine-sample,"
+                             "engine-adapters,engine-live,service",
                              "--chats", "3", "--chat-tokens", "4", "--out", str(out)],
                             capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     report = json.loads(out.read_text())
     variants = report["workloads"]["current"]["variants"]
-    for name in ("generate-bs4", "generate-static-bs8", "engine", "engine-stop", "engine-stream", "engine-adapters",
-                 "engine-live", "service"):
+    for name in ("generate-bs4", "generate-static-bs8", "engine", "engine-stop", "engine-stream", "engine-sample",
+                 "engine-adapters", "engine-live", "service"):
         assert variants[name]["tokens"] == 8 * 4, (name, variants[name])
     assert variants["engine-live"]["batch_priority"]["tokens"] == 8 * 4
     assert variants["engine-adapters"]["path"] == "native"
