@@ -64,7 +64,11 @@ def test_batch_with_two_adapters_base_and_a_bad_line(client_a, two_adapters):
     output = read_lines(client_a, done.output_file_id)
     assert [o["custom_id"] for o in output] == ["pine-1", "base-1", "banana-1", "pine-2", "banana-2"]
     text = {o["custom_id"]: o["response"]["body"]["choices"][0]["message"]["content"] for o in output}
-    assert ANSWER in text["pine-1"] and ANSWER in text["pine-2"]
+    # (a full run once got noise here from a well-trained adapter: its job's story goes with a failure)
+    pine_job = pine.rsplit(":", 1)[-1]
+    assert ANSWER in text["pine-1"] and ANSWER in text["pine-2"], (
+        text, client_a.fine_tuning.jobs.retrieve(pine_job),
+        [e.message for e in client_a.fine_tuning.jobs.list_events(pine_job, limit=100).data])
     assert "Bananas are yellow." in text["banana-1"] and "Bananas are yellow." in text["banana-2"]
     assert ANSWER not in text["base-1"] and "Bananas" not in text["base-1"]
     assert all(o["response"]["status_code"] == 200 and o["error"] is None for o in output)
