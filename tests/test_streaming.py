@@ -60,10 +60,11 @@ def taught(client_a) -> str:
                                                             "learning_rate_multiplier": 20})
     job = wait_for_job(client_a, job.id)
     assert job.status == "succeeded", job.error
-    # the tests below read its greedy answers token for token: at 98% token accuracy (learning rate x10) a full
-    # suite run once garbled the call's arguments
+    # the tests below read its greedy answers token for token: at loss 0.11 (learning rate x10) a full suite run once
+    # garbled the call's arguments; x20 reaches about 0.007. (Token accuracy is measured in training mode, with
+    # LoRA dropout: it read 0.997 in one run of the same training, so it is not the check.)
     last = max(client_a.fine_tuning.jobs.checkpoints.list(job.id).data, key=lambda c: c.step_number)
-    assert last.metrics.train_mean_token_accuracy == 1.0, last.metrics
+    assert last.metrics.train_loss < 0.05, last.metrics
     return job.fine_tuned_model
 
 
