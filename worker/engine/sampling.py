@@ -48,6 +48,12 @@ def _row_key(seed: int, step: int) -> int:
     return _mix32_py((seed & _M32) ^ _mix32_py(((seed >> 32) & _M32) ^ _mix32_py(step ^ 0x9E3779B9)))
 
 
+def _uniform(keys: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
+    """u in (0, 1) for each (row key, vocabulary index): [rows, V] from keys [rows] and vocab [V]."""
+    h = _mix32(keys[:, None] ^ vocab[None, :])
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
 def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """One token per row of float32 `logits` [R, V] drawn from softmax(logits / T): argmax(logits / T + g), g the
     Gumbel noise -log(-log u) with u a hash of (the row's key, vocabulary index) (the Gumbel-max trick: no softmax
@@ -56,8 +62,7 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.T
     vocab = torch.arange(logits.shape[-1], device=logits.device, dtype=torch.int64)
     for i in range(0, logits.shape[0], SAMPLE_CHUNK):
         sl = slice(i, i + SAMPLE_CHUNK)
-        h = _mix32(keys[sl, None] ^ vocab[None, :])
-        u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+        u = _uniform(keys[sl], vocab)
         out.append(torch.argmax(logits[sl] / temperature[sl, None] - torch.log(-torch.log(u)), dim=-1))
     return torch.cat(out)
 
@@ -75,13 +80,22 @@ def _nucleus(logits: torch.Tensor, temperature: torch.Tensor, top_p: list[float]
         before = sp.cumsum(dim=-1) - sp  # mass of the more likely tokens
         cut = before >= to_device(top_p[sl], torch.float32, dev)[:, None]
         probs = torch.zeros_like(probs).scatter_(-1, idx, sp.masked_fill(cut, 0.0))
-        h = _mix32(keys[sl, None] ^ vocab[None, :])
-        u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-        out.append(torch.argmax(probs / (-torch.log(u)), dim=-1))
+        out.append(torch.argmax(probs / (-torch.log(_uniform(keys[sl], vocab))), dim=-1))
     return torch.cat(out)
 
 
 _broken_draws: set = set()  # device draws that raised (a Triton build that fails here): torch ops from then on
+
+
+def _plain(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, draw) -> torch.Tensor:
+    """`draw` (the engine's fused kernel), or gumbel_argmax where it is the torch one or has failed."""
+    if draw is not gumbel_argmax and draw not in _broken_draws:
+        try:
+            return draw(logits, temperature, keys)
+        except Exception as e:
+            _broken_draws.add(draw)
+            log.warning("sampling: the fused kernel failed (%s: %s); torch ops from now on", type(e).__name__, e)
+    return gumbel_argmax(logits, temperature, keys)
 
 
 def sample_tokens(logits: torch.Tensor, temperature: list[float], top_p: list[float], seeds: list[int],
@@ -93,21 +107,18 @@ def sample_tokens(logits: torch.Tensor, temperature: list[float], top_p: list[fl
     keys = to_device([_row_key(s, k) for s, k in zip(seeds, steps, strict=True)], torch.int64, dev)
     temps = to_device(temperature, torch.float32, dev)
     nucleus = [i for i, p in enumerate(top_p) if p < 1.0]
+    if not nucleus:
+        return _plain(logits, temps, keys, draw)
     if len(nucleus) == len(top_p):
         return _nucleus(logits, temps, top_p, keys)
-    if draw is not gumbel_argmax and draw not in _broken_draws:
-        try:
-            toks = draw(logits, temps, keys)
-        except Exception as e:
-            _broken_draws.add(draw)
-            log.warning("sampling: the fused kernel failed (%s: %s); torch ops from now on", type(e).__name__, e)
-            toks = gumbel_argmax(logits, temps, keys)
-    else:
-        toks = gumbel_argmax(logits, temps, keys)
-    if nucleus:
-        index = to_device(nucleus, torch.int64, dev)
-        toks.index_copy_(0, index, _nucleus(logits.index_select(0, index), temps.index_select(0, index),
-                                            [top_p[i] for i in nucleus], keys.index_select(0, index)))
+    # some rows of each kind: each drawn once, by its own path
+    plain = to_device([i for i, p in enumerate(top_p) if p >= 1.0], torch.int64, dev)
+    cut = to_device(nucleus, torch.int64, dev)
+    toks = torch.empty(len(top_p), dtype=torch.int64, device=dev)
+    toks.index_copy_(0, plain, _plain(logits.index_select(0, plain), temps.index_select(0, plain),
+                                      keys.index_select(0, plain), draw))
+    toks.index_copy_(0, cut, _nucleus(logits.index_select(0, cut), temps.index_select(0, cut),
+                                      [top_p[i] for i in nucleus], keys.index_select(0, cut)))
     return toks
 
 

@@ -192,6 +192,7 @@ def _qkv_kernel(QKV, QW, KW, COS, SIN, POS, IDX, QO, KO, VO, KC, VC, s_t, s_c, s
         _store_head(KO + t * s_ko + (h - HQ) * (2 * HALF), c, HALF, o1, o2, is_k)
         _store_head(VO + t * s_ko + (h - HQ - HKV) * (2 * HALF), c, HALF, x1, x2, is_v)
 
+
 def qkv_rope_store(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, cos: torch.Tensor,
                    sin: torch.Tensor, pos: torch.Tensor, eps: float, kv_index: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, hq: int, want_kv: bool):
