@@ -3,19 +3,25 @@ which joins the chunks' output and error files in input order.
 
 Counts live on the chunks (a redone chunk resets its own), so the batch's request_counts are their sum and
 every line counts exactly once.
+
+Finalisation is idempotent and one process at a time: the node settling the last chunk runs it, and the reconciler
+runs it again for a batch whose chunks have all settled but that never finished (that node died first, or midway).
 """
 
+import hashlib
 import json
 import os
 from pathlib import Path
 
 from contract import events, retention
 from contract.layout import file_path, job_dir
-from contract.records import RecordStore, new_id, now
+from contract.records import ID_PREFIX, RecordStore, new_id, now
 
 DEFAULT_OUTPUT_SECONDS = 30 * 86400
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
-SETTLED = ("completed", "cancelled")
+CHUNK_SETTLED = ("completed", "cancelled", "failed")
+UNFINISHED = ("in_progress", "cancelling", "finalizing")
+FINALIZE_LOCK_SECONDS = 30
 
 
 def chunk_id(batch_id: str, index: int) -> str:
@@ -67,15 +73,22 @@ def tally(store: RecordStore, batch: dict) -> tuple[dict, dict, bool]:
     return counts, usage, any(c.get("expired") for c in parts)
 
 
+def all_chunks_settled(store: RecordStore, batch: dict) -> bool:
+    return all(c.get("status") in CHUNK_SETTLED for c in chunks(store, batch))
+
+
 def _store_file(store: RecordStore, root: Path, tenant: str, name: str, parts: list[Path],
                 expires_after: int) -> str | None:
     data = b"".join(p.read_bytes() for p in parts if p.exists())
     if not data:
         return None
-    file_id = new_id("file")
+    # Named after the batch and the part, so a finalisation run again writes the same file, never a second one.
+    file_id = ID_PREFIX["file"] + hashlib.sha256(name.encode()).hexdigest()[:24]
     path = file_path(root, tenant, file_id)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
+    partial = path.with_suffix(".partial")
+    partial.write_bytes(data)
+    os.replace(partial, path)
     expires_at = now() + expires_after
     store.create("file", {"id": file_id, "tenant": tenant, "bytes": len(data), "created_at": now(),
                           "filename": name, "purpose": "batch_output", "expires_at": expires_at})
@@ -108,13 +121,23 @@ def fail_chunk(store: RecordStore, root: Path, chunk: dict, code: str, message: 
 
 
 def finalize(store: RecordStore, root: Path, batch: dict) -> None:
+    """Join the chunks' files into the batch's output and error files and settle it (completed, expired or
+    cancelled). Does nothing while another process finalises the same batch."""
+    batch_id = batch["id"]
+    with events.exclusive(store.redis, f"finalize:{batch_id}", FINALIZE_LOCK_SECONDS) as mine:
+        if mine:
+            _finalize(store, root, store.get("batch", batch_id))
+
+
+def _finalize(store: RecordStore, root: Path, batch: dict) -> None:
     batch_id, tenant = batch["id"], batch["tenant"]
     cancelling = batch["status"] == "cancelling"
-    if not cancelling and not store.transition("batch", batch_id, ["in_progress"],
-                                               {"status": "finalizing", "finalizing_at": now()}):
-        return
-    if not cancelling:
+    if batch["status"] == "in_progress":
+        if not store.transition("batch", batch_id, ["in_progress"], {"status": "finalizing", "finalizing_at": now()}):
+            return
         events.emit(store.redis, batch_id, "Batch finalizing", data={"status": "finalizing"})
+    elif batch["status"] not in ("cancelling", "finalizing"):
+        return
     files = [chunk_files(root, tenant, batch_id, i) for i in range(batch["n_chunks"])]
     # Output files expire as OpenAI's do (the retention the batch was created under).
     keep = int(batch.get("output_expires_after") or DEFAULT_OUTPUT_SECONDS)

@@ -7,10 +7,11 @@ import json
 import re
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import redis
+from redis.exceptions import LockError
 
 from contract import webhooks
 
@@ -150,27 +151,53 @@ def release_lease(client: redis.Redis, job_id: str, holder: str) -> None:
 
 
 @contextmanager
-def lease_held(client: redis.Redis, job_id: str, holder: str, seconds: float):
-    """Hold a job's lease while the body runs (renewed from a thread, however long the body takes), released
-    at the end. If the process dies, the lease lapses within `seconds` and the reconciler takes over."""
-    refresh_lease(client, job_id, holder, seconds)
+def _renewed_every(seconds: float, renew, name: str):
+    """Call renew every seconds / 3 while the body runs (a Redis blip skips a round: the body fails on its own
+    calls)."""
     stop = threading.Event()
 
-    def renew():
+    def loop():
         while not stop.wait(seconds / 3):
             try:
-                refresh_lease(client, job_id, holder, seconds)
+                renew()
             except redis.RedisError:
-                pass  # Redis away: the body fails on its own calls; try again next round
+                pass
 
-    thread = threading.Thread(target=renew, name=f"lease-{job_id}", daemon=True)
+    thread = threading.Thread(target=loop, name=name, daemon=True)
     thread.start()
     try:
         yield
     finally:
         stop.set()
         thread.join()
+
+
+@contextmanager
+def lease_held(client: redis.Redis, job_id: str, holder: str, seconds: float):
+    """Hold a job's lease while the body runs (renewed from a thread, however long the body takes), released
+    at the end. If the process dies, the lease lapses within `seconds` and the reconciler takes over."""
+    refresh_lease(client, job_id, holder, seconds)
+    try:
+        with _renewed_every(seconds, lambda: refresh_lease(client, job_id, holder, seconds), f"lease-{job_id}"):
+            yield
+    finally:
         release_lease(client, job_id, holder)
+
+
+@contextmanager
+def exclusive(client: redis.Redis, name: str, seconds: float):
+    """A lock on `name` held while the body runs (renewed however long it takes; it lapses within `seconds` if
+    the process dies). Yields whether this process has it: False while another does, and the body should skip."""
+    lock = client.lock(f"lock:{name}", timeout=seconds, blocking=False, thread_local=False)
+    if not lock.acquire():
+        yield False
+        return
+    try:
+        with _renewed_every(seconds, lock.reacquire, f"lock-{name}"):
+            yield True
+    finally:
+        with suppress(LockError):
+            lock.release()
 
 
 def done_key(request_id: str) -> str:

@@ -1,4 +1,4 @@
-"""An API process SIGKILLed inside POST /v1/batches (while it splits the input into chunks): the batch it left in
+"""An API process SIGKILLed inside POST /v1/batches (while it validates the input): the batch it left in
 `validating` is failed by the reconciler once its creation lease lapses, none of its chunks runs, and every
 call on it still answers."""
 
@@ -9,12 +9,14 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from conftest import KEY_A, _wait
 
+from contract.layout import file_path
 from contract.records import RecordStore
 from worker.node.redis_server import free_port
 
@@ -27,12 +29,17 @@ LINE = {"method": "POST", "url": "/v1/chat/completions",
 def test_api_killed_inside_batch_creation(stack_env, stack_dir, workers, redis_client, client_a):
     lines = "\n".join(json.dumps({"custom_id": f"r{i}", **LINE}) for i in range(1500)).encode()
     upload = client_a.files.create(file=("big.jsonl", lines), purpose="batch")
+    # The stored input becomes a pipe nobody writes to, so the creating process stays inside validation until it
+    # is killed (its split takes a tenth of a second: a poll for `validating` missed it on an idle machine).
+    stored = file_path(Path(stack_env["XPUJOBS_ARTIFACT_ROOT"]), "tenant-a", upload.id)
+    stored.unlink()
+    os.mkfifo(stored)
     before = set(redis_client.zrange("idx:batch:tenant-a", 0, -1))
     port = free_port()
     log = (stack_dir / "api-crash.log").open("wb")
-    # A second API process of the same stack, splitting one line per chunk so that the split takes a while.
+    # A second API process of the same stack.
     api = subprocess.Popen([sys.executable, "-m", "worker.cli", "api", "--port", str(port), "--workers", "1"],
-                           env={**stack_env, "XPUJOBS_BATCH_CHUNK_LINES": "1"}, stdout=log, stderr=subprocess.STDOUT)
+                           env=stack_env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     _wait(lambda: _healthy(url), 240, "the second API")
     threading.Thread(target=_create, args=(url, upload.id), daemon=True).start()
@@ -58,6 +65,7 @@ def test_api_killed_inside_batch_creation(stack_env, stack_dir, workers, redis_c
                 and json.loads(redis_client.hget(f"rec:chunk:{c}", "status") or '""') != "queued"]
     with pytest.raises(openai.ConflictError):
         client_a.batches.cancel(batch_id)
+    stored.unlink()
 
 
 def _healthy(url: str) -> bool:

@@ -105,3 +105,60 @@ def test_a_chunk_given_up_on_still_ends_its_lines_and_its_batch(client_a, redis_
     errors = [json.loads(line) for line in client_a.files.content(done["error_file_id"]).text.splitlines()]
     assert [e["custom_id"] for e in errors] == ["lost-0", "lost-1", "lost-2"]
     assert {e["error"]["code"] for e in errors} == {"worker_lost"}
+
+
+def _settled_batch(store: RecordStore, root, status: str, chunks: int) -> str:
+    """A batch whose chunks have all completed (each with one output line written), left in `status`."""
+    from contract import batches
+
+    batch_id = new_id("batch")
+    store.create("batch", {"id": batch_id, "tenant": "tenant-a", "status": status, "object": "batch",
+                           "endpoint": "/v1/chat/completions", "input_file_id": "file-x", "completion_window": "24h",
+                           "created_at": int(time.time()), "expires_at": int(time.time()) + 3600, "total": chunks,
+                           "n_chunks": chunks, "chunks_settled": chunks - 1, "metadata": {}}, track=True)
+    for index in range(chunks):
+        out, err = batches.chunk_files(root, "tenant-a", batch_id, index)
+        batches.write_atomically(out, [json.dumps({"custom_id": f"done-{index}", "error": None})])
+        batches.write_atomically(err, [])
+        store.create("chunk", {"id": batches.chunk_id(batch_id, index), "tenant": "tenant-a", "batch_id": batch_id,
+                               "index": index, "status": "completed", "attempts": 1, "completed": 1, "failed": 0,
+                               "created_at": int(time.time())})
+    return batch_id
+
+
+def test_a_batch_whose_last_chunk_settled_on_a_node_that_died_is_finalised(client_a, redis_client, stack_env):
+    """Was: a node SIGKILLed between settling a chunk and counting it (or between the count and finalising) left
+    its batch in_progress for ever, with every chunk done (the fault suite's worker SIGKILL, once in CI)."""
+    from pathlib import Path
+
+    store, root = RecordStore(redis_client), Path(stack_env["XPUJOBS_ARTIFACT_ROOT"])
+    batch_id = _settled_batch(store, root, "in_progress", 3)
+    done = _wait(lambda: (b := store.get("batch", batch_id))["status"] == "completed" and b, 60,
+                 "the reconciler to finalise the batch")
+    assert done["request_counts_final"] == {"total": 3, "completed": 3, "failed": 0}
+    lines = [json.loads(line)["custom_id"] for line in client_a.files.content(done["output_file_id"]).text.splitlines()]
+    assert lines == ["done-0", "done-1", "done-2"]
+
+
+def test_a_batch_left_finalizing_is_finished_once_its_finaliser_is_gone(client_a, redis_client, stack_env):
+    """A finaliser that died midway: the batch waits while its lock stands (a live finaliser is never raced), is
+    finished once the lock lapses, and finalising again writes the same output file, not a second one."""
+    from pathlib import Path
+
+    from contract import batches
+
+    store, root = RecordStore(redis_client), Path(stack_env["XPUJOBS_ARTIFACT_ROOT"])
+    batch_id = _settled_batch(store, root, "finalizing", 2)
+    redis_client.set(f"lock:finalize:{batch_id}", "a-finaliser-that-died", px=5000)
+    time.sleep(3.5)  # more than two reconciler rounds (a third of the 4 s lease each)
+    assert store.get("batch", batch_id)["status"] == "finalizing"
+    done = _wait(lambda: (b := store.get("batch", batch_id))["status"] == "completed" and b, 60,
+                 "the reconciler to finish the batch once the lock lapsed")
+    outputs = [f for f in client_a.files.list(purpose="batch_output") if f.filename == f"{batch_id}_output.jsonl"]
+    assert [f.id for f in outputs] == [done["output_file_id"]]
+    store.update("batch", batch_id, {"status": "finalizing"})
+    batches.finalize(store, root, store.get("batch", batch_id))
+    again = store.get("batch", batch_id)
+    assert again["status"] == "completed" and again["output_file_id"] == done["output_file_id"]
+    assert [f.id for f in client_a.files.list(purpose="batch_output")
+            if f.filename == f"{batch_id}_output.jsonl"] == [done["output_file_id"]]

@@ -94,7 +94,7 @@ class Reconciler:
                         and now() - int(record.get("created_at") or 0) > self.settings.lease_seconds:
                     # Its publisher died between writing the record and publishing the task.
                     publish(self.celery, self.store, kind, record_id, record["queue"])
-        self._fail_abandoned_batches()
+        self._finish_batches()
 
     def _fetched_long_ago(self) -> dict[str, str]:
         """{record id: delivery tag} of the task messages a node fetched (kombu keeps them in its unacked hash until
@@ -118,11 +118,14 @@ class Reconciler:
         pipe.hdel(UNACKED, tag)
         return bool(pipe.execute()[1])
 
-    def _fail_abandoned_batches(self) -> None:
-        """A batch still validating whose creator's lease lapsed: the API process died while it validated and
-        split the input, before any of it ran."""
+    def _finish_batches(self) -> None:
+        """A batch still validating whose creator's lease lapsed (the API process died while it validated and
+        split the input, before any of it ran) is failed. One whose chunks have all settled and that is still
+        unfinished (the node that settled the last chunk died before it finalised the batch, or midway) is
+        finalised here."""
         batch_ids = sorted(self.store.tracked("batch"))
         holders = events.lease_holders(self.redis, batch_ids)
+        running = {chunk.rsplit(".", 1)[0] for chunk in self.store.tracked("chunk")}
         for batch_id, record, holder in zip(batch_ids, self.store.get_many("batch", batch_ids), holders):
             if record is None:
                 self.store.untrack("batch", batch_id)
@@ -133,6 +136,9 @@ class Reconciler:
                         "status": "failed", "failed_at": now(), "errors": {"object": "list", "data": [error]}}):
                     self.store.untrack("batch", batch_id)
                     events.emit(self.redis, batch_id, message, level="error", data={"status": "failed"})
+            elif record["status"] in batches.UNFINISHED and batch_id not in running \
+                    and batches.all_chunks_settled(self.store, record):
+                batches.finalize(self.store, self.settings.artifact_root, record)
 
     def _requeue(self, kind: str, record: dict, why: str, running: bool = True) -> None:
         record_id = record["id"]
