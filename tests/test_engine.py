@@ -394,6 +394,28 @@ def test_sampling_seed_reproduces_whatever_the_batch(model, tokenizer):
     assert alone.output_ids != greedy_out.output_ids
 
 
+def test_a_failing_fused_sampler_hands_over_to_torch_ops(model, tokenizer):
+    """The fused kernel's draw raising (a Triton build that fails on the device) costs no request: the same
+    tokens come from torch ops, from then on, and stats say which sampler runs and why."""
+    ps = prompts(3, seed=9)
+    params = dict(max_new_tokens=8, temperature=4.0)
+    requests = [GenerationRequest(str(i), p, SamplingParams(seed=i, **params)) for i, p in enumerate(ps)]
+    with Engine(model, tokenizer, device="cpu", memory_budget_bytes=64 * MB, max_batch_size=4, max_seq_len=128) as eng:
+        expected = [r.output_ids for r in eng.generate(requests)]
+        calls = []
+
+        def broken(*args):
+            calls.append(1)
+            raise RuntimeError("no launcher for this device")
+
+        with eng.model_lock:  # as _choose_sampler leaves an engine on cuda/xpu
+            eng._fused_draw, eng.draw, eng.stats["sampler"] = broken, eng._draw_fused, "triton"
+        assert [r.output_ids for r in eng.generate(requests)] == expected
+        assert [r.output_ids for r in eng.generate(requests)] == expected
+        assert len(calls) == 1  # not tried again
+        assert eng.stats["sampler"] == "torch" and "no launcher" in eng.stats["sampler_fallback_reason"]
+
+
 def test_sampler_follows_the_distribution():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(4000, 1)
     toks = sample_tokens(logits, [1.0] * 4000, [1.0] * 4000, list(range(4000)), [0] * 4000)

@@ -279,10 +279,23 @@ class Engine(NativeRunner):
             try:
                 from worker.engine import triton_kernels as engine_triton
 
-                self.draw = engine_triton.gumbel_argmax
+                self._fused_draw = engine_triton.gumbel_argmax
+                self.draw = self._draw_fused
             except Exception as e:  # no triton
                 log.info("engine: sampling with torch ops (%s: %s)", type(e).__name__, e)
         self.stats["sampler"] = "torch" if self.draw is gumbel_argmax else "triton"
+
+    def _draw_fused(self, logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """The fused kernel's draw; one that raises (a Triton build failing on this device) hands the engine to
+        torch ops for good, and stats say so."""
+        try:
+            return self._fused_draw(logits, temperature, keys)
+        except Exception as e:
+            log.warning("engine: the fused sampling kernel failed (%s: %s); torch ops from now on",
+                        type(e).__name__, e)
+            self.draw = gumbel_argmax
+            self.stats.update(sampler="torch", sampler_fallback_reason=f"{type(e).__name__}: {e}")
+            return gumbel_argmax(logits, temperature, keys)
 
     def _choose_attention(self) -> None:
         """kernels='triton' (the default on cuda/xpu when triton imports): decode attention that reads each row's

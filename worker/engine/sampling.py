@@ -7,14 +7,10 @@ processing (penalties, grammars, logprobs) belongs there, on the rows of the req
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from worker.engine import logits as logits_processing
 from worker.engine.device import to_device
-
-log = logging.getLogger(__name__)
 
 SAMPLE_CHUNK = 16  # rows sampled at once: bounds the [rows, vocab] temporaries of top-p and the noise
 _M32 = 0xFFFFFFFF
@@ -84,20 +80,6 @@ def _nucleus(logits: torch.Tensor, temperature: torch.Tensor, top_p: list[float]
     return torch.cat(out)
 
 
-_broken_draws: set = set()  # device draws that raised (a Triton build that fails here): torch ops from then on
-
-
-def _plain(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, draw) -> torch.Tensor:
-    """`draw` (the engine's fused kernel), or gumbel_argmax where it is the torch one or has failed."""
-    if draw is not gumbel_argmax and draw not in _broken_draws:
-        try:
-            return draw(logits, temperature, keys)
-        except Exception as e:
-            _broken_draws.add(draw)
-            log.warning("sampling: the fused kernel failed (%s: %s); torch ops from now on", type(e).__name__, e)
-    return gumbel_argmax(logits, temperature, keys)
-
-
 def sample_tokens(logits: torch.Tensor, temperature: list[float], top_p: list[float], seeds: list[int],
                   steps: list[int], draw=gumbel_argmax) -> torch.Tensor:
     """One token per row of float32 `logits` [R, V], drawn from softmax(logits / T) (top-p filtered where top_p <
@@ -108,15 +90,15 @@ def sample_tokens(logits: torch.Tensor, temperature: list[float], top_p: list[fl
     temps = to_device(temperature, torch.float32, dev)
     nucleus = [i for i, p in enumerate(top_p) if p < 1.0]
     if not nucleus:
-        return _plain(logits, temps, keys, draw)
+        return draw(logits, temps, keys)
     if len(nucleus) == len(top_p):
         return _nucleus(logits, temps, top_p, keys)
     # some rows of each kind: each drawn once, by its own path
     plain = to_device([i for i, p in enumerate(top_p) if p >= 1.0], torch.int64, dev)
     cut = to_device(nucleus, torch.int64, dev)
     toks = torch.empty(len(top_p), dtype=torch.int64, device=dev)
-    toks.index_copy_(0, plain, _plain(logits.index_select(0, plain), temps.index_select(0, plain),
-                                      keys.index_select(0, plain), draw))
+    toks.index_copy_(0, plain, draw(logits.index_select(0, plain), temps.index_select(0, plain),
+                                    keys.index_select(0, plain)))
     toks.index_copy_(0, cut, _nucleus(logits.index_select(0, cut), temps.index_select(0, cut),
                                       [top_p[i] for i in nucleus], keys.index_select(0, cut)))
     return toks
