@@ -134,7 +134,26 @@ def lease_key(job_id: str) -> str:
 
 
 def refresh_lease(client: redis.Redis, job_id: str, holder: str, seconds: float) -> None:
+    """Take the lease (a claim: whoever held it before lost the job)."""
     client.set(lease_key(job_id), holder, px=int(seconds * 1000))
+
+
+_RENEW = """local held = redis.call('GET', KEYS[1])
+if held and held ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1"""
+
+
+def renew_leases(client: redis.Redis, job_ids: list[str], holder: str, seconds: float) -> None:
+    """Keep `holder`'s leases, in one round trip: each is renewed where it still holds it or where it lapsed (Redis
+    was away longer than a lease), never where another holder has it (the job was requeued while this holder was
+    stalled, and claimed elsewhere: it is theirs now)."""
+    if not job_ids:
+        return
+    pipe = client.pipeline(transaction=False)
+    for job_id in job_ids:
+        pipe.eval(_RENEW, 1, lease_key(job_id), holder, int(seconds * 1000))
+    pipe.execute()
 
 
 def lease_holders(client: redis.Redis, job_ids: list[str]) -> list[str | None]:
@@ -178,7 +197,7 @@ def lease_held(client: redis.Redis, job_id: str, holder: str, seconds: float):
     at the end. If the process dies, the lease lapses within `seconds` and the reconciler takes over."""
     refresh_lease(client, job_id, holder, seconds)
     try:
-        with _renewed_every(seconds, lambda: refresh_lease(client, job_id, holder, seconds), f"lease-{job_id}"):
+        with _renewed_every(seconds, lambda: renew_leases(client, [job_id], holder, seconds), f"lease-{job_id}"):
             yield
     finally:
         release_lease(client, job_id, holder)

@@ -30,6 +30,11 @@ def job_dir(root: Path, tenant: str, job_id: str) -> Path:
     return tenant_dir(root, tenant) / "jobs" / safe_name(job_id)
 
 
+def training_outcome_path(root: Path, tenant: str, job_id: str, attempt: int | None) -> Path:
+    """Where an attempt's training process leaves its result for the node (one file per attempt)."""
+    return job_dir(root, tenant, job_id) / f"outcome-{attempt or 0}.json"
+
+
 def adapter_dir(root: Path, tenant: str, job_id: str) -> Path:
     return job_dir(root, tenant, job_id) / "adapter"
 

@@ -42,6 +42,20 @@ def test_a_group_claimed_together_takes_only_the_queued_and_leaves_another_holde
     assert 0 < redis_client.pttl(events.lease_key(ids[0])) <= 30_000
 
 
+def test_a_heartbeat_renews_its_own_and_lapsed_leases_never_another_holders(redis_client):
+    """A node stalled past its lease comes back while its job runs elsewhere: its beat must not take the lease
+    back (then its release would delete the new holder's, and the reconciler requeue a job that runs)."""
+    ids = [new_id("chat") for _ in range(3)]
+    events.refresh_lease(redis_client, ids[0], "n", 1)
+    events.refresh_lease(redis_client, ids[1], "other-node", 60)  # requeued and claimed elsewhere meanwhile
+    events.renew_leases(redis_client, ids, "n", 30)  # ids[2]'s lapsed (Redis was away): renewed
+    assert events.lease_holders(redis_client, ids) == ["n", "other-node", "n"]
+    assert redis_client.pttl(events.lease_key(ids[0])) > 1_000
+    assert redis_client.pttl(events.lease_key(ids[1])) > 30_000
+    events.release_lease(redis_client, ids[1], "n")
+    assert events.lease_holders(redis_client, ids[1:2]) == ["other-node"]
+
+
 def test_listing_is_newest_first_with_cursor(store):
     tenant = "lister-" + new_id("file")
     ids = [store.create("file", {"id": new_id("file"), "tenant": tenant, "created_at": i})[0]["id"]

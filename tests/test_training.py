@@ -1,5 +1,6 @@
 """Pieces of the training process on their own."""
 
+import time
 from pathlib import Path
 
 import pytest
@@ -170,7 +171,7 @@ def _two_process_job(stack_env, redis_client, tenant: str, **fields) -> tuple[st
     import subprocess
 
     from contract import events
-    from contract.layout import adapter_dir, file_path
+    from contract.layout import adapter_dir, file_path, training_outcome_path
     from contract.records import RecordStore, new_id
     from worker.training.fine_tune import training_command
 
@@ -190,7 +191,7 @@ def _two_process_job(stack_env, redis_client, tenant: str, **fields) -> tuple[st
     assert command[1:3] == ["-m", "torch.distributed.run"]
     result = subprocess.run(command, env={**stack_env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                             timeout=240)
-    outcome = json.loads((adapter_dir(root, tenant, job_id).parent / "outcome.json").read_text())
+    outcome = json.loads(training_outcome_path(root, tenant, job_id, None).read_text())
     assert outcome["status"] == "succeeded", result.stderr[-6000:]
     assert result.returncode == 0, result.stderr[-3000:]
     assert (adapter_dir(root, tenant, job_id) / "adapter_model.safetensors").exists()
@@ -253,7 +254,8 @@ def test_sharded_training_with_two_processes_serves_its_adapter(stack_env, redis
     trained = PeftModel.from_pretrained(base, str(adapter))
     assert all(p.abs().sum() > 0 for n, p in trained.named_parameters() if "lora_B" in n)  # zero before training
     # Settled as the node would, then served through the API like any fine-tuned model.
-    store.update("ftjob", job_id, {"status": "succeeded", "fine_tuned_model": outcome["fine_tuned_model"]})
+    store.update("ftjob", job_id, {"status": "succeeded", "fine_tuned_model": outcome["fine_tuned_model"],
+                                   "finished_at": int(time.time())})
     reply = client_a.chat.completions.create(model=outcome["fine_tuned_model"], max_tokens=4, temperature=0,
                                              messages=[{"role": "user", "content": "Q1"}])
     assert reply.model == outcome["fine_tuned_model"] and reply.usage.completion_tokens == 4

@@ -26,7 +26,7 @@ def _model(model_id: str, created: int, owned_by: str) -> dict:
 def _fine_tuned(store, tenant: str) -> list[dict]:
     jobs, _ = store.page("ftjob", tenant, None, 10**6)
     created = {c["fine_tuned_model_checkpoint"]: c["created_at"] for j in jobs for c in j.get("checkpoints", [])}
-    return [_model(m, created.get(m) or j["finished_at"] or j["created_at"], tenant)
+    return [_model(m, created.get(m) or j.get("finished_at") or j.get("created_at") or 0, tenant)
             for j in jobs for m in models_of(j)]
 
 

@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from collections import Counter
+from pathlib import Path
 
 import psutil
 import pytest
@@ -22,9 +23,13 @@ pytestmark = [pytest.mark.faults, pytest.mark.timeout(900)]
 # The demo model trains ~10 steps/s on a CPU core, after ~40 s of starting its process: long runs, so that each
 # fault lands while the job is still training, with a checkpoint every ~2 s.
 CHECKPOINT_STEPS = 20
-TRAINING = "\n".join(json.dumps({"messages": [{"role": "user", "content": f"Count {i}."},
-                                              {"role": "assistant", "content": f"Number {i} is here."}]})
-                     for i in range(20)).encode()
+def training_data(examples: int) -> bytes:
+    return "\n".join(json.dumps({"messages": [{"role": "user", "content": f"Count {i}."},
+                                            {"role": "assistant", "content": f"Number {i} is here."}]})
+                     for i in range(examples)).encode()
+
+
+TRAINING = training_data(20)
 TERMINAL = {"ftjob": {"succeeded", "failed", "cancelled"}, "batch": {"completed", "failed", "cancelled", "expired"},
             "response": {"completed", "failed", "cancelled", "incomplete"}}
 ROWS: list[tuple[str, str, str]] = []  # (fault, load in flight, what survived)
@@ -47,8 +52,8 @@ def stack(tmp_path_factory, request):
                 reporter.write_line("| " + " | ".join(row) + " |")
 
 
-def fine_tune(stack: FaultStack, max_steps: int) -> str:
-    upload = stack.client.files.create(file=("train.jsonl", TRAINING), purpose="fine-tune")
+def fine_tune(stack: FaultStack, max_steps: int, data: bytes = TRAINING) -> str:
+    upload = stack.client.files.create(file=("train.jsonl", data), purpose="fine-tune")
     return stack.client.fine_tuning.jobs.create(
         model="demo-tiny", training_file=upload.id, hyperparameters={"n_epochs": 50, "batch_size": 1},
         extra_body={"checkpoint_steps": CHECKPOINT_STEPS, "max_steps": max_steps}).id
@@ -237,3 +242,57 @@ def test_worker_sigterm_hands_work_on(stack):
     ROWS.append(("worker SIGTERM (warm shutdown)", "fine-tune, 300-line batch, 4 responses",
                  f"fine-tune handed on at a checkpoint and succeeded on attempt 1 (resumed from step "
                  f"{resumed_from(stack, job)[-1]}); batch 300/300 once each; 4/4 responses"))
+
+
+def test_a_node_stalled_past_its_lease_leaves_its_job_to_the_next_attempt(stack):
+    """A node frozen (SIGSTOP) longer than its lease while its fine-tune trains, then thawed (SIGCONT): the other
+    node's reconciler requeues the job and it resumes there from its checkpoint; the first attempt's training
+    process sees the job is no longer its own and stops without writing; the thawed node takes nothing back. Was:
+    both attempts trained on into the same checkpoints and adapter, and the thawed node's heartbeat took the lease
+    back (then its release deleted the new holder's)."""
+    from contract.layout import training_outcome_path
+
+    for name in ("fa", "fb"):
+        if name not in stack.workers or stack.workers[name].proc.poll() is not None:
+            stack.start_worker(name)
+    # long enough that the frozen attempt is still training when it is requeued
+    job = fine_tune(stack, max_steps=1500, data=training_data(40))
+    _wait(lambda: checkpoint_steps(stack, job), 240, "the first checkpoint")
+    holder = stack.store.get("ftjob", job)["node"]
+    name = next(n for n in stack.workers if holder.startswith(n + "@"))
+    node = psutil.Process(stack.workers[name].proc.pid)
+    [child] = [p for p in node.children(recursive=True) if "worker.training.trainer" in p.cmdline()]
+    node.suspend()
+    try:
+        _wait(lambda: (r := stack.store.get("ftjob", job))["attempts"] == 2 and r["status"] == "running", 120,
+              "the job to be requeued and claimed by the other node")
+        # The first attempt's training process stops on its own (a zombie until its frozen parent reaps it).
+        _wait(lambda: not child.is_running() or child.status() == psutil.STATUS_ZOMBIE, 60,
+              "the first attempt's training process to stop")
+    finally:
+        node.resume()
+    record = settle(stack, {"ftjob": [job]})["ftjob"][job]
+    assert record["status"] == "succeeded", record.get("error")
+    assert record["attempts"] == 2 and not record["node"].startswith(name + "@")
+    _wait(lambda: any(m.startswith(f"Attempt 1 on {holder} stopped") for m in messages_of(stack, job)), 30,
+          "the thawed node to say its attempt stopped")
+    assert messages_of(stack, job).count("The job has successfully completed") == 1
+    root = Path(stack.env["XPUJOBS_ARTIFACT_ROOT"])
+    assert json.loads(training_outcome_path(root, "tenant-a", job, 1).read_text()) == {"status": "superseded"}
+    assert resumed_from(stack, job), messages_of(stack, job)
+    # The thawed node took no lease back: after a few of its beats, nothing is requeued again.
+    time.sleep(5)
+    assert stack.store.get("ftjob", job)["attempts"] == 2
+    answer = stack.client.chat.completions.create(model=record["fine_tuned_model"], max_tokens=4,
+                                                  messages=[{"role": "user", "content": "Count 3."}])
+    assert answer.choices[0].message.content
+    no_record_stuck(stack)
+    ROWS.append(("worker SIGSTOP past its lease, then SIGCONT", "fine-tune past a checkpoint",
+                 f"requeued to the other node, resumed from step {resumed_from(stack, job)[-1]}, succeeded on "
+                 "attempt 2; the frozen attempt stopped without writing; no lease taken back"))
+
+
+def messages_of(stack: FaultStack, job_id: str) -> list[str]:
+    from contract import events
+
+    return [e["message"] for e in events.read_all(stack.redis, job_id)]

@@ -68,28 +68,26 @@ class Node:
         one step, attempts counted, reserved_by this instance): (whether it was taken, the record after) each."""
         ids = [record_id for _, record_id in records]
         with self._lock:  # before the leases exist, so a heartbeat between them renews them
-            self.current_jobs.update(ids)
+            # Only ids this node is not running already: a second delivery that loses must not drop the first's.
+            added = {i for i in ids if i not in self.current_jobs}
+            self.current_jobs.update(added)
         try:
             claims = self.store.claim_many(records, ["queued"], {**fields, "reserved_by": self.instance},
                                            [events.lease_key(i) for i in ids], self.name, self.settings.lease_seconds)
         except Exception:  # what was taken meanwhile is not renewed: its lease lapses and the reconciler requeues it
             with self._lock:
-                self.current_jobs.difference_update(ids)
+                self.current_jobs.difference_update(added)
             raise
         with self._lock:
-            self.current_jobs.difference_update(i for i, (taken, _) in zip(ids, claims) if not taken)
+            self.current_jobs.difference_update(i for i, (taken, _) in zip(ids, claims) if not taken and i in added)
         return claims
 
-    def claim(self, kind: str, record_id: str, fields: dict) -> bool:
-        """Take a queued record: the lease is held before the status says running, so the reconciler never
-        sees a running record without one."""
-        with self._lock:
-            self.current_jobs.add(record_id)
-        events.refresh_lease(self.redis, record_id, self.name, self.settings.lease_seconds)
-        if self.store.transition(kind, record_id, ["queued"], fields):
-            return True
-        self.job_finished(record_id)
-        return False
+    def claim(self, kind: str, record_id: str, fields: dict) -> dict | None:
+        """Take one queued record (claim_many for one): the record as taken, attempts counted, or None when it was
+        not queued (another delivery took it, or it was cancelled). The lease and the status change in one step,
+        so the reconciler never sees it running without a lease, and a claim that loses leaves the winner's."""
+        [(taken, record)] = self.claim_many([(kind, record_id)], fields)
+        return record if taken else None
 
     def job_finished(self, job_id: str) -> None:
         with self._lock:
@@ -103,8 +101,7 @@ class Node:
         # Leases first: they are what keeps running work from being requeued.
         with self._lock:
             jobs = list(self.current_jobs)
-        for job_id in jobs:
-            events.refresh_lease(client, job_id, self.name, self.settings.lease_seconds)
+        events.renew_leases(client, jobs, self.name, self.settings.lease_seconds)
         registry.register(client, self.name, self.info(), self.settings.lease_seconds)
 
     def start(self) -> None:

@@ -59,10 +59,9 @@ def _body(endpoint: str, request_id: str, model: str, result: dict, request: dic
 
 def run_chunk(node: Node, chunk_id: str) -> None:
     store, redis, settings = node.store, node.redis, node.settings
-    chunk = store.get("chunk", chunk_id)
-    if chunk is None or not node.claim("chunk", chunk_id, {
-            "status": "in_progress", "node": node.name, "attempts": int(chunk.get("attempts") or 0) + 1,
-            "completed": 0, "failed": 0, "input_tokens": 0, "output_tokens": 0}):
+    chunk = node.claim("chunk", chunk_id, {"status": "in_progress", "node": node.name, "completed": 0, "failed": 0,
+                                           "input_tokens": 0, "output_tokens": 0})
+    if chunk is None:
         return
     timings = {"claimed": time.time()}  # wall-clock stamps, so a slow batch shows where its time went
     batch = store.get("batch", chunk["batch_id"])

@@ -16,7 +16,7 @@ import time
 from celery import Celery
 
 from contract import events
-from contract.layout import job_dir
+from contract.layout import training_outcome_path
 from contract.queues import publish
 from contract.records import now
 from contract.registry import live_workers
@@ -33,24 +33,25 @@ def run_fine_tune(node: Node, celery: Celery, job_id: str) -> None:
         # This node is training already: hand the job back to the queue for a free worker.
         publish(celery, node.store, "ftjob", job_id, record["queue"], countdown=2)
         return
+    claimed = None
     try:
-        attempt = int(record.get("attempts") or 0) + 1
-        if not node.claim("ftjob", job_id, {"status": "running", "attempts": attempt, "node": node.name}):
+        claimed = node.claim("ftjob", job_id, {"status": "running", "node": node.name})
+        if claimed is None:
             return
-        events.emit(redis, job_id, f"Fine-tuning job started on {node.name} (attempt {attempt})",
+        events.emit(redis, job_id, f"Fine-tuning job started on {node.name} (attempt {claimed['attempts']})",
                     data={"status": "running", "node": node.name})
-        outcome = _train_in_child(node, record)
-        _settle(node, celery, {**record, "attempts": attempt}, outcome)
+        _settle(node, celery, claimed, _train_in_child(node, claimed))
     finally:
         # The slot first: it is local and cannot fail, while the lease release waits for Redis if it is away.
         node.training_slot.release()
-        node.job_finished(job_id)
+        if claimed is not None:
+            node.job_finished(job_id)
 
 
 def _train_in_child(node: Node, record: dict) -> dict:
     job_id = record["id"]
-    outcome_path = job_dir(node.settings.artifact_root, record["tenant"], job_id) / "outcome.json"
-    outcome_path.unlink(missing_ok=True)
+    result = training_outcome_path(node.settings.artifact_root, record["tenant"], job_id, record["attempts"])
+    result.unlink(missing_ok=True)
     processes = node.settings.training_processes or (len(node.devices) if node.backend != "cpu" else 1)
     if node.backend != "cpu":  # idle inference engines hold most of the device's free memory: give it back
         from worker.serving.inference import host_for
@@ -64,8 +65,8 @@ def _train_in_child(node: Node, record: dict) -> dict:
             child.send_signal(signal.SIGTERM)  # checkpoint now and stop; torchrun passes it to every rank
             asked_to_stop = True
         time.sleep(0.5)
-    if outcome_path.exists():
-        return json.loads(outcome_path.read_text())
+    if result.exists():
+        return json.loads(result.read_text())
     return {"status": "died", "error": {"code": "training_process_died",
                                         "message": f"The training process exited with code {child.returncode} "
                                                    "without a result (out of memory?)."}}
@@ -82,6 +83,13 @@ def training_command(job_id: str, processes: int) -> list[str]:
 def _settle(node: Node, celery: Celery, record: dict, outcome: dict) -> None:
     store, redis, job_id = node.store, node.redis, record["id"]
     status = outcome["status"]
+    current = store.get("ftjob", job_id) or {}
+    if status == "superseded" or int(current.get("attempts") or 0) != record["attempts"]:
+        # Requeued while this attempt still ran (its lease lapsed): the job is another attempt's now.
+        events.emit(redis, job_id, f"Attempt {record['attempts']} on {node.name} stopped: the job was requeued "
+                                   "while it ran, and goes on from its last checkpoint", level="warn",
+                    data={"attempt": record["attempts"]})
+        return
     if status == "preempted":
         _requeue(node, celery, record, f"Worker {node.name} is shutting down", count_attempt=False)
         return

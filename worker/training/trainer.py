@@ -1,7 +1,12 @@
 """The training process of one fine-tuning job: `python -m worker.training.trainer <job id>`, started by its node.
 
 LoRA with PEFT on the HF Trainer; QLoRA loads the base in bitsandbytes 4-bit nf4 first. Checkpoints every N
-steps under the job's directory; a retried job resumes from the newest. Writes outcome.json for the node.
+steps under the job's directory; a retried job resumes from the newest. Writes its attempt's outcome file for the
+node.
+
+An attempt that is no longer the job's (the reconciler requeued it while this one still ran: its node missed the
+lease) stops at its next check without saving anything, so two attempts never write the same checkpoints or
+adapter; the adapter is written whole into a directory of its own and then renamed into place.
 """
 
 import csv
@@ -17,6 +22,8 @@ import time
 import traceback
 from pathlib import Path
 
+from redis.exceptions import RedisError
+
 from contract import events
 from contract.layout import (
     adapter_dir,
@@ -25,7 +32,7 @@ from contract.layout import (
     checkpoints_dir,
     file_path,
     fine_tuned_model_id,
-    job_dir,
+    training_outcome_path,
 )
 from contract.records import RecordStore, new_id, now
 from contract.redis_conn import durable_client
@@ -201,6 +208,17 @@ def node_alive() -> bool:
     return True
 
 
+def superseded(store: RecordStore, job_id: str, attempt: int | None) -> bool:
+    """Whether this attempt is no longer the job's: the job left `running` (requeued, or settled by another
+    attempt) or a later attempt claimed it. Redis away counts as not (the check is made again)."""
+    try:
+        record = store.get("ftjob", job_id)
+    except RedisError:
+        return False
+    return record is None or record["status"] != "running" or (
+        attempt is not None and int(record.get("attempts") or 0) != attempt)
+
+
 def agreed(flags: list[bool], device) -> list[bool]:
     """Each flag true on every rank if it is true on any: ranks must stop at the same step or collectives hang."""
     import torch
@@ -269,6 +287,7 @@ def make_callback(job: dict, store: RecordStore, settings: Settings):
             self.cancelled = False
             self.paused = False
             self.preempted = False
+            self.superseded = False
             self.last_check = 0.0
             self.started = time.monotonic()
             self.first_step = None
@@ -319,13 +338,22 @@ def make_callback(job: dict, store: RecordStore, settings: Settings):
         def on_step_end(self, args, state, control, **kwargs):
             if not node_alive():
                 sys.exit(3)  # the node died; the reconciler requeues the job from its last checkpoint
-            asked_cancel = asked_pause = False
-            if state.is_world_process_zero and time.monotonic() - self.last_check >= CANCEL_CHECK_SECONDS:
+            asked_cancel = asked_pause = replaced = False
+            # Checked every second, and before each checkpoint: an attempt that was requeued must not save (nor
+            # rotate away the checkpoint the next attempt resumes from).
+            due = control.should_save or time.monotonic() - self.last_check >= CANCEL_CHECK_SECONDS
+            if state.is_world_process_zero and due:
                 self.last_check = time.monotonic()
                 asked_cancel = events.cancel_requested(redis, job_id)
                 asked_pause = events.pause_requested(redis, job_id)
-            cancel, pause, preempt = agreed([asked_cancel, asked_pause, preempted.is_set()], args.device)
-            if cancel or pause or preempt:
+                replaced = superseded(store, job_id, job.get("attempts"))
+            cancel, pause, preempt, replaced = agreed([asked_cancel, asked_pause, preempted.is_set(), replaced],
+                                                      args.device)
+            if replaced:  # another attempt owns the job's files now: stop, and write nothing
+                self.superseded = True
+                control.should_training_stop = True
+                control.should_save = False
+            elif cancel or pause or preempt:
                 self.cancelled = cancel
                 self.paused = pause and not cancel
                 self.preempted = preempt and not (cancel or pause)
@@ -437,6 +465,8 @@ def train(job: dict, store: RecordStore, settings: Settings, backend: str) -> di
         trainer = job_trainer_class()(model=model, args=TrainingArguments(**common), train_dataset=train_rows,
                                       eval_dataset=eval_rows, data_collator=collator, callbacks=[callback])
     trainer.train(resume_from_checkpoint=_resume_point(job, out))
+    if callback.superseded:
+        return {"status": "superseded"}
     if callback.cancelled:
         return {"status": "cancelled"}
     if callback.paused:
@@ -444,11 +474,17 @@ def train(job: dict, store: RecordStore, settings: Settings, backend: str) -> di
     if callback.preempted:
         return {"status": "preempted"}
     adapter, main_process = adapter_dir(settings.artifact_root, tenant, job_id), trainer.is_world_process_zero()
+    written = adapter.with_name(f"{adapter.name}.attempt-{job.get('attempts') or 0}")
     if main_process or sharded:  # a sharded model's state dict is gathered by a collective: every rank takes part
-        model.save_pretrained(adapter, safe_serialization=True, is_main_process=main_process)
+        model.save_pretrained(written, safe_serialization=True, is_main_process=main_process)
     if not main_process:
         return {"status": "succeeded"}  # the main process writes and reports
-    tokenizer.save_pretrained(adapter)
+    tokenizer.save_pretrained(written)
+    if superseded(store, job_id, job.get("attempts")):
+        shutil.rmtree(written, ignore_errors=True)
+        return {"status": "superseded"}
+    shutil.rmtree(adapter, ignore_errors=True)  # a copy of an earlier attempt that died before reporting
+    os.replace(written, adapter)
     trained_tokens = trainer.state.num_input_tokens_seen
     results_file = _write_results_file(store, settings, job, trainer)
     return {"status": "succeeded", "fine_tuned_model": fine_tuned_model_id(job["model"], job.get("suffix"), job_id),
@@ -577,8 +613,8 @@ def main(job_id: str) -> int:
     settings = Settings()
     store = RecordStore(durable_client(settings))
     job = store.get("ftjob", job_id)
-    outcome_path = job_dir(settings.artifact_root, job["tenant"], job_id) / "outcome.json"
-    outcome_path.parent.mkdir(parents=True, exist_ok=True)
+    result = training_outcome_path(settings.artifact_root, job["tenant"], job_id, job.get("attempts"))
+    result.parent.mkdir(parents=True, exist_ok=True)
     try:
         backend = devices.detect_backend(os.environ.get("XPUJOBS_DEVICE_BACKEND", settings.device_backend))
         outcome = train(job, store, settings, backend)
@@ -589,7 +625,7 @@ def main(job_id: str) -> int:
         outcome = {"status": "failed", "error": {"code": "training_error",
                                                  "message": f"{type(exc).__name__}: {exc}", "param": None}}
     if int(os.environ.get("RANK", 0)) == 0:
-        outcome_path.write_text(json.dumps(outcome))
+        result.write_text(json.dumps(outcome))
     return 0 if outcome["status"] != "failed" else 1
 
 
