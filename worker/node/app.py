@@ -7,7 +7,7 @@ fine-tune runs in a child process of its own, so no fork ever follows device ini
 import os
 import sys
 
-from celery import signals
+from celery import bootsteps, signals
 
 from contract.queues import make_celery, record_of
 from contract.settings import Settings
@@ -65,6 +65,32 @@ def _reserved(request=None, **_):
             _state["node"].reserve(*found)
         except Exception as exc:  # the task still runs; only a death before it starts would go unnoticed
             print(f"xpu-jobs: could not note the reservation of {found[1]}: {exc}", flush=True)
+
+
+@signals.task_prerun.connect
+def _started(task=None, args=None, **_):
+    found = record_of(task.name, list(args or ())) if task is not None else None
+    if found and "node" in _state:
+        _state["node"].task_started(*found)
+
+
+class _PublishFetchedAgain(bootsteps.StartStopStep):
+    """Runs each time the consumer starts, which it does again once it has reconnected after losing the broker:
+    what the node had fetched and not started is published again (Node.publish_fetched_again)."""
+
+    requires = {"celery.worker.consumer.tasks:Tasks"}
+
+    def __init__(self, consumer, **kwargs):
+        super().__init__(consumer, **kwargs)
+        self.reconnected = False
+
+    def start(self, consumer):
+        if self.reconnected and "node" in _state:
+            _state["node"].publish_fetched_again(app)
+        self.reconnected = True
+
+
+app.steps["consumer"].add(_PublishFetchedAgain)
 
 
 @signals.worker_shutting_down.connect

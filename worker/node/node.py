@@ -7,6 +7,7 @@ import time
 from typing import Callable
 
 from contract import events, registry
+from contract.queues import publish
 from contract.records import RecordStore
 from contract.redis_conn import durable_client, sync_client
 from contract.settings import Settings
@@ -33,6 +34,7 @@ class Node:
         self._beat_redis = sync_client(settings)
         self.started_at = int(time.time())
         self.current_jobs: set[str] = set()
+        self._fetched: set[tuple[str, str]] = set()  # (kind, record id) of tasks received and not started
         self.training_slot = threading.Lock()  # one fine-tune at a time per device group
         self.reporters: list[Callable[[], dict]] = []  # more to publish in the registry (loaded models)
         self._stop = threading.Event()
@@ -61,7 +63,26 @@ class Node:
     def reserve(self, kind: str, record_id: str) -> None:
         """A task of this record reached this node (to run now, after others, or at its countdown): if the node dies
         before claiming it, the message sits unacked in Redis, and the reconciler publishes the record again."""
+        with self._lock:
+            self._fetched.add((kind, record_id))
         self.store.transition(kind, record_id, ["queued"], {"reserved_by": self.instance})
+
+    def task_started(self, kind: str, record_id: str) -> None:
+        with self._lock:
+            self._fetched.discard((kind, record_id))
+
+    def publish_fetched_again(self, celery) -> None:
+        """After the broker connection was lost: kombu hands the tasks this node had fetched and not started back to
+        their queue, which fails while Redis is away (the message then waits out the 12 h visibility timeout, its
+        record `queued` and reserved by this live node). Publish each such record again; a second delivery is
+        harmless, as a task claims its record by compare-and-set."""
+        with self._lock:
+            fetched, self._fetched = self._fetched, set()
+        for kind, record_id in sorted(fetched):
+            record = self.store.get(kind, record_id)
+            if record and record["status"] == "queued" and \
+                    self.store.transition(kind, record_id, ["queued"], {"reserved_by": None}):
+                publish(celery, self.store, kind, record_id, record["queue"])
 
     def claim_many(self, records: list[tuple[str, str]], fields: dict) -> list[tuple[bool, dict | None]]:
         """claim for several queued (kind, record id) at once, in one round trip (each lease and status set in

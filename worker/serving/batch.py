@@ -64,6 +64,13 @@ def run_chunk(node: Node, chunk_id: str) -> None:
     if chunk is None:
         return
     timings = {"claimed": time.time()}  # wall-clock stamps, so a slow batch shows where its time went
+
+    def superseded() -> bool:
+        """Requeued while this run went on (its node froze past the lease) and maybe claimed again elsewhere: the
+        chunk is the newer run's, so this one must neither count nor write."""
+        current = store.get("chunk", chunk_id)
+        return current is None or current["status"] != "in_progress" or current["attempts"] != chunk["attempts"]
+
     batch = store.get("batch", chunk["batch_id"])
     batch_id, tenant, endpoint = batch["id"], batch["tenant"], batch["endpoint"]
     mine = batches.read_chunk_input(settings.artifact_root, tenant, batch_id, chunk["index"])
@@ -170,9 +177,19 @@ def run_chunk(node: Node, chunk_id: str) -> None:
             if lost:
                 hand_over(lost)
             if progress:
+                if superseded():
+                    break
                 store.add_counts("chunk", chunk_id, progress)
                 progress.clear()
-
+    if pending or superseded():  # left the loop with lines still running, or lost the chunk at its end
+        host = host_for(node)
+        for running in pending.values():
+            host.cancel(running.request_id)
+        node.job_finished(chunk_id)
+        events.emit(redis, batch_id, f"Chunk {chunk['index'] + 1}/{batch['n_chunks']}: attempt {chunk['attempts']} "
+                                     f"on {node.name} stopped, the chunk was requeued while it ran", level="warn",
+                    data={"chunk": chunk["index"], "node": node.name})
+        return
     timings["generated"] = time.time()
     out_path, err_path = batches.chunk_files(settings.artifact_root, tenant, batch_id, chunk["index"])
     ordered = sorted(results)
@@ -182,9 +199,9 @@ def run_chunk(node: Node, chunk_id: str) -> None:
     settled = store.transition("chunk", chunk_id, ["in_progress"], {
         "status": "cancelled" if cancelled else "completed", "expired": expired, "finished_at": now(),
         "timings": {**timings, "written": time.time()}})
-    store.untrack("chunk", chunk_id)
     node.job_finished(chunk_id)
     if settled:
+        store.untrack("chunk", chunk_id)
         events.emit(redis, batch_id, f"Chunk {chunk['index'] + 1}/{batch['n_chunks']} done",
                     data={"chunk": chunk["index"], "node": node.name})
         batches.chunk_settled(store, settings.artifact_root, batch_id)
