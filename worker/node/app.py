@@ -82,12 +82,12 @@ class _PublishFetchedAgain(bootsteps.StartStopStep):
 
     def __init__(self, consumer, **kwargs):
         super().__init__(consumer, **kwargs)
-        self.reconnected = False
+        self.started_before = False
 
     def start(self, consumer):
-        if self.reconnected and "node" in _state:
+        if self.started_before and "node" in _state:
             _state["node"].publish_fetched_again(app)
-        self.reconnected = True
+        self.started_before = True
 
 
 app.steps["consumer"].add(_PublishFetchedAgain)
