@@ -192,6 +192,42 @@ def test_redis_outages_pause_work(stack):
                  "300/300 once each; 4/4 responses; the node took the next fine-tune"))
 
 
+def test_a_message_lost_with_redis_is_published_again(stack):
+    """A queued chunk whose task message is gone (published in Redis' last moments before a crash: a reply can
+    precede the AOF write when an fsync is slow, and kombu's fetch is two commands): after Redis restarts, the
+    reconciler publishes every queued record no node holds once more. Was: it stayed queued for ever (the Redis
+    outage test lost a chunk so, twice here)."""
+    from conftest import TEST_BACKEND
+
+    from contract import batches
+    from contract.queues import backend_queue
+    from contract.records import new_id
+
+    root, created = Path(stack.env["XPUJOBS_ARTIFACT_ROOT"]), int(time.time())
+    batch_id, lines = new_id("batch"), [json.dumps({"custom_id": f"lost-{i}", "method": "POST",
+                                                    "url": "/v1/chat/completions",
+                                                    "body": {"model": "demo-tiny", "max_tokens": 2,
+                                                             "messages": [{"role": "user", "content": "Hi."}]}})
+                                        for i in range(3)]
+    batches.write_chunk_input(root, "tenant-a", batch_id, 0, list(enumerate(lines, start=1)))
+    stack.store.create("batch", {"id": batch_id, "tenant": "tenant-a", "status": "in_progress", "object": "batch",
+                                 "endpoint": "/v1/chat/completions", "input_file_id": "file-x",
+                                 "completion_window": "24h", "created_at": created, "expires_at": created + 3600,
+                                 "total": 3, "n_chunks": 1, "chunks_settled": 0, "metadata": {}}, track=True)
+    stack.store.create("chunk", {"id": batches.chunk_id(batch_id, 0), "tenant": "tenant-a", "batch_id": batch_id,
+                                 "index": 0, "status": "queued", "queue": backend_queue(TEST_BACKEND), "attempts": 0,
+                                 "created_at": created, "published_at": created}, track=True)
+    time.sleep(3)  # the reconciler leaves it alone: published, and no node holds it
+    assert stack.store.get("chunk", batches.chunk_id(batch_id, 0))["status"] == "queued"
+    stack.kill_redis()
+    stack.start_redis()
+    done = settle(stack, {"batch": [batch_id]}, timeout=120)
+    assert_batch_whole(stack, done["batch"][batch_id], "lost", 3)
+    no_record_stuck(stack)
+    ROWS.append(("Redis SIGKILL and restart, with a queued chunk whose message was lost",
+                 "a 3-line batch's one chunk, no message for it", "published again after the restart; 3/3 lines"))
+
+
 def test_api_master_sigkill(stack):
     """The uvicorn master SIGKILLed with requests in flight: its workers go too (was: they kept serving and the
     restart failed on the port); the API starts again on the same port and every id it returned finishes."""

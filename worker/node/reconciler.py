@@ -69,6 +69,9 @@ class Reconciler:
         live = {w["node"] for w in workers}
         instances = {w.get("instance") for w in workers}
         stranded = self._fetched_long_ago()
+        redis_run = f"reconciled:redis-run:{self.redis.info('server')['run_id']}"
+        # The first whole pass, among all nodes, on this Redis server run: Redis restarted (or first started).
+        restarted = not self.redis.exists(redis_run)
         for kind in RUNNING:
             record_ids = sorted(self.store.tracked(kind))
             records = self.store.get_many(kind, record_ids)
@@ -90,10 +93,16 @@ class Reconciler:
                     # Fetched by a node that died before it could mark the record: taken over from unacked.
                     if self._take_over(stranded[record_id]):
                         publish(self.celery, self.store, kind, record_id, record["queue"])
+                elif restarted and record["status"] == "queued" and not record.get("reserved_by"):
+                    # Redis restarted: a message published or fetched in its last moments may be gone with it
+                    # (a reply can precede the AOF write when an fsync is slow; kombu's fetch is two commands).
+                    publish(self.celery, self.store, kind, record_id, record["queue"])
                 elif record["status"] == "queued" and not record.get("published_at") \
                         and now() - int(record.get("created_at") or 0) > self.settings.lease_seconds:
                     # Its publisher died between writing the record and publishing the task.
                     publish(self.celery, self.store, kind, record_id, record["queue"])
+        if restarted:  # every queued record no node holds was published again: a second delivery is harmless
+            self.redis.set(redis_run, now())
         self._finish_batches()
 
     def _fetched_long_ago(self) -> dict[str, str]:
