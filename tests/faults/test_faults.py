@@ -318,7 +318,7 @@ def test_a_node_stalled_past_its_lease_leaves_its_job_to_the_next_attempt(stack)
     # thawed node's release then deleted it).
     seen, until = set(), time.monotonic() + 3
     while time.monotonic() < until and (r := stack.store.get("ftjob", job))["status"] == "running":
-        seen.add((r["node"], stack.redis.get(f"lease:{job}")))
+        seen.add((r["reserved_by"], stack.redis.get(f"lease:{job}")))  # the claiming instance holds it
         time.sleep(0.05)
     assert seen and all(holder_now == node_now for node_now, holder_now in seen), seen
     done = settle(stack, {"ftjob": [job], "batch": [batch_id]})

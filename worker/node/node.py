@@ -93,8 +93,11 @@ class Node:
             added = {i for i in ids if i not in self.current_jobs}
             self.current_jobs.update(added)
         try:
+            # Held by the instance, not the name: a node restarted under the same name while its old run is
+            # frozen must not renew the old run's leases, nor the thawed old run release the new one's.
             claims = self.store.claim_many(records, ["queued"], {**fields, "reserved_by": self.instance},
-                                           [events.lease_key(i) for i in ids], self.name, self.settings.lease_seconds)
+                                           [events.lease_key(i) for i in ids], self.instance,
+                                           self.settings.lease_seconds)
         except Exception:  # what was taken meanwhile is not renewed: its lease lapses and the reconciler requeues it
             with self._lock:
                 self.current_jobs.difference_update(added)
@@ -113,7 +116,7 @@ class Node:
     def job_finished(self, job_id: str) -> None:
         with self._lock:
             self.current_jobs.discard(job_id)
-        events.release_lease(self.redis, job_id, self.name)
+        events.release_lease(self.redis, job_id, self.instance)
 
     def heartbeat(self, client=None) -> None:
         """Refresh the leases and the registry entry, through `client` (the beat's fail-fast one), by default the
@@ -122,7 +125,7 @@ class Node:
         # Leases first: they are what keeps running work from being requeued.
         with self._lock:
             jobs = list(self.current_jobs)
-        events.renew_leases(client, jobs, self.name, self.settings.lease_seconds)
+        events.renew_leases(client, jobs, self.instance, self.settings.lease_seconds)
         registry.register(client, self.name, self.info(), self.settings.lease_seconds)
 
     def start(self) -> None:
