@@ -26,6 +26,7 @@ from contract.settings import Settings
 
 # kombu's Redis transport: messages delivered to a consumer and not yet acked, and when each was delivered.
 UNACKED, UNACKED_INDEX = "unacked", "unacked_index"
+SEEN_INSTANCES = "reconciler:instances"  # node instances seen alive, until the reconciler notices each one gone
 RUNNING = {"ftjob": "running", "response": "in_progress", "chat": "in_progress", "completion": "in_progress",
            "chunk": "in_progress"}
 
@@ -70,8 +71,11 @@ class Reconciler:
         instances = {w.get("instance") for w in workers}
         stranded = self._fetched_long_ago()
         redis_run = f"reconciled:redis-run:{self.redis.info('server')['run_id']}"
-        # The first whole pass, among all nodes, on this Redis server run: Redis restarted (or first started).
-        restarted = not self.redis.exists(redis_run)
+        # Every queued record no node holds is published again on the first whole pass, among all nodes, on this
+        # Redis server run (Redis restarted, or first started), and when a node instance has died: a message its
+        # consumer had popped and not yet noted as unacked (kombu's fetch is two commands) is gone with it.
+        gone = self._instances_gone(instances)
+        republish = gone or not self.redis.exists(redis_run)
         for kind in RUNNING:
             record_ids = sorted(self.store.tracked(kind))
             records = self.store.get_many(kind, record_ids)
@@ -93,17 +97,26 @@ class Reconciler:
                     # Fetched by a node that died before it could mark the record: taken over from unacked.
                     if self._take_over(stranded[record_id]):
                         publish(self.celery, self.store, kind, record_id, record["queue"])
-                elif restarted and record["status"] == "queued" and not record.get("reserved_by"):
-                    # Redis restarted: a message published or fetched in its last moments may be gone with it
-                    # (a reply can precede the AOF write when an fsync is slow; kombu's fetch is two commands).
+                elif republish and record["status"] == "queued" and not record.get("reserved_by"):
+                    # Its message may be gone: published or fetched in Redis' last moments (a reply can precede the
+                    # AOF write when an fsync is slow), or popped by a consumer that died before noting it.
                     publish(self.celery, self.store, kind, record_id, record["queue"])
                 elif record["status"] == "queued" and not record.get("published_at") \
                         and now() - int(record.get("created_at") or 0) > self.settings.lease_seconds:
                     # Its publisher died between writing the record and publishing the task.
                     publish(self.celery, self.store, kind, record_id, record["queue"])
-        if restarted:  # every queued record no node holds was published again: a second delivery is harmless
+        if republish:  # every queued record no node holds was published again: a second delivery is harmless
             self.redis.set(redis_run, now())
         self._finish_batches()
+
+    def _instances_gone(self, live_instances: set) -> bool:
+        """Whether a node instance seen alive before is gone now (each is reported once, to one reconciler)."""
+        pipe = self.redis.pipeline()
+        pipe.smembers(SEEN_INSTANCES)
+        if live_instances - {None}:
+            pipe.sadd(SEEN_INSTANCES, *(live_instances - {None}))
+        gone = pipe.execute()[0] - live_instances
+        return any(self.redis.srem(SEEN_INSTANCES, instance) for instance in gone)
 
     def _fetched_long_ago(self) -> dict[str, str]:
         """{record id: delivery tag} of the task messages a node fetched (kombu keeps them in its unacked hash until
