@@ -116,7 +116,7 @@ class Reconciler:
         if live_instances - {None}:
             pipe.sadd(SEEN_INSTANCES, *(live_instances - {None}))
         gone = pipe.execute()[0] - live_instances
-        return any(self.redis.srem(SEEN_INSTANCES, instance) for instance in gone)
+        return bool(gone) and self.redis.srem(SEEN_INSTANCES, *gone) > 0
 
     def _fetched_long_ago(self) -> dict[str, str]:
         """{record id: delivery tag} of the task messages a node fetched (kombu keeps them in its unacked hash until
